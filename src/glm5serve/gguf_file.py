@@ -1,0 +1,170 @@
+"""Open a GGUF model -- one file or a ``NAME-0000k-of-0000n.gguf`` split set -- as one memory-mapped tensor index.
+
+Parsing is gguf-py's ``GGUFReader``; this module adds split-set discovery and consistency checks, and turns every
+parse failure into a one-line :class:`~glm5serve.errors.GGUFModelError` naming the file (and tensor).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from glm5serve.errors import GGUFModelError
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF model, data not read.
+
+    ``ne`` is ggml's dimension order (fastest first); ``shape`` is the numpy/PyTorch order (``ne`` reversed).
+    ``qtype`` is the ggml type (``qweight_type`` in vLLM's words). ``data`` is a read-only memory map:
+    ``uint8`` of shape ``(*shape[:-1], row_bytes)`` for block-quantized and BF16 types, typed for F32/F16.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    ne: tuple[int, ...]
+    shape: tuple[int, ...]
+    n_bytes: int
+    file: str
+    data_offset: int
+    data: np.ndarray
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def block_size(self) -> int:
+        return GGML_QUANT_SIZES[self.qtype][0]
+
+    def raw(self) -> np.ndarray:
+        """The tensor's bytes as a flat ``uint8`` memory-mapped view (nothing is copied)."""
+        return self.data.reshape(-1).view(np.uint8)
+
+
+def split_paths(path: str | os.PathLike) -> list[Path]:
+    """Every file of the model that ``path`` names.
+
+    ``path`` is a single ``.gguf`` file or any shard of a split set (``…-0000k-of-0000n.gguf``); the result lists
+    shard 1..n in order. Raises GGUFModelError if the file or a shard is missing.
+    """
+    p = Path(path)
+    m = SPLIT_RE.match(p.name)
+    if not m:
+        if not p.is_file():
+            raise GGUFModelError("no such file", file=str(p))
+        return [p]
+    count = int(m["count"])
+    paths = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for q in paths:
+        if not q.is_file():
+            raise GGUFModelError(f"missing shard {q.name} of a {count}-file split set", file=str(q))
+    return paths
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as e:  # bad magic, unknown ggml type, data past end of file (reshape fails), ...
+        msg = str(e)
+        if "reshape" in msg or "buffer is smaller" in msg or "out of bounds" in msg:
+            msg = "truncated file: tensor data runs past the end of the file"
+        elif "GGMLQuantizationType" in msg:
+            msg = f"unknown ggml tensor type ({msg})"
+        raise GGUFModelError(msg, file=str(path)) from None
+    except (OSError, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise GGUFModelError(f"not a readable GGUF file ({type(e).__name__}: {e})", file=str(path)) from None
+
+
+def _field_value(field) -> Any:
+    v = field.contents()
+    return v
+
+
+class GGUFModel:
+    """A GGUF model as one tensor index over all its split files (memory-mapped; nothing is read eagerly).
+
+    ``metadata`` holds shard 1's key/value pairs (``split.*`` keys included). ``tensors`` maps GGUF tensor name to
+    :class:`TensorInfo` in file order. Raises GGUFModelError for a missing shard, a truncated or non-GGUF file,
+    inconsistent ``split.*`` keys, or a tensor stored twice.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.paths = split_paths(path)
+        self.path = self.paths[0]
+        self.readers = [_open_reader(p) for p in self.paths]
+        self.metadata: dict[str, Any] = {
+            k: _field_value(f) for k, f in self.readers[0].fields.items() if not k.startswith("GGUF.")
+        }
+        self.tensors: dict[str, TensorInfo] = {}
+        count = len(self.paths)
+        declared = int(self.metadata.get(SPLIT_COUNT, 1) or 1)
+        if declared != count and not (declared == 1 and count == 1):
+            raise GGUFModelError(f"{SPLIT_COUNT}={declared} but the file name says {count} files", file=str(self.path))
+        for i, (p, r) in enumerate(zip(self.paths, self.readers)):
+            if count > 1:
+                no = r.fields.get(SPLIT_NO)
+                if no is None or int(no.contents()) != i:
+                    raise GGUFModelError(f"{SPLIT_NO} is missing or not {i}", file=str(p))
+            size = p.stat().st_size
+            for t in r.tensors:
+                if t.name in self.tensors:
+                    raise GGUFModelError("tensor stored twice", file=str(p), tensor=t.name)
+                if t.data_offset + t.n_bytes > size:
+                    raise GGUFModelError("truncated file: tensor data runs past the end of the file", file=str(p), tensor=t.name)
+                ne = tuple(int(x) for x in t.shape)
+                self.tensors[t.name] = TensorInfo(
+                    name=t.name, qtype=GGMLQuantizationType(t.tensor_type), ne=ne, shape=tuple(reversed(ne)),
+                    n_bytes=int(t.n_bytes), file=str(p), data_offset=int(t.data_offset), data=t.data,
+                )
+        if count > 1:
+            want = int(self.metadata.get(SPLIT_TENSORS, -1))
+            if want != len(self.tensors):
+                raise GGUFModelError(
+                    f"{SPLIT_TENSORS}={want} but the {count} files hold {len(self.tensors)} tensors", file=str(self.path))
+
+    @property
+    def arch(self) -> str:
+        """``general.architecture`` (e.g. ``glm-dsa``); raises GGUFModelError if absent."""
+        a = self.metadata.get("general.architecture")
+        if a is None:
+            raise GGUFModelError("no general.architecture key", file=str(self.path))
+        return str(a)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Metadata value; a key starting with ``.`` is prefixed with the architecture (``.expert_count``)."""
+        if key.startswith("."):
+            key = self.arch + key
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        """Like :meth:`get` but raises GGUFModelError naming the key when it is absent."""
+        v = self.get(key)
+        if v is None:
+            raise GGUFModelError(f"metadata key {key if not key.startswith('.') else self.arch + key} is missing",
+                                 file=str(self.path))
+        return v
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFModelError("tensor not found", file=str(self.path), tensor=name) from None
+
+    def __len__(self) -> int:
+        return len(self.tensors)
