@@ -1,0 +1,381 @@
+"""GLM-5 (``glm-dsa``) reference engine: the whole forward pass in plain PyTorch, from a GGUF file.
+
+An oracle that shares no code with vLLM or its GGUF plugin: weights are dequantized with glm5serve's own
+dequantizers and the model is written out op by op after transformers'
+``models/glm_moe_dsa/modeling_glm_moe_dsa.py`` (the semantics are summarised in ``docs/glm5-gguf.md``,
+"Forward semantics"). One sequence at a time, no batching, CPU or GPU.
+
+Per layer (pre-norm residual blocks)::
+
+    h = h + MLA_DSA(RMSNorm(h))          # MLA attention over the keys the DSA indexer selects
+    h = h + FFN(RMSNorm(h))              # dense SwiGLU (first layers) or MoE (sigmoid router + shared expert)
+    logits = lm_head(RMSNorm(h))
+
+Deliberate choices, all selectable:
+
+* ``qa_kv_norm_eps`` (default ``1e-6``): epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``. transformers hard-codes
+  1e-6 for these two norms (as does DeepSeek's own ``inference/model.py``); llama.cpp (``glm-dsa.cpp``,
+  ``build_norm(..., LLM_NORM_RMS)``) and vLLM (``deepseek_v2.py``) use ``rms_norm_eps`` (1e-5 for GLM-5). The default
+  follows transformers, the model authors' reference; pass ``qa_kv_norm_eps=cfg.rms_norm_eps`` (or ``"rms_norm_eps"``)
+  to reproduce llama.cpp and vLLM.
+* ``mla`` (default ``"expanded"``): ``"expanded"`` decompresses the cached latent into per-head keys and values with
+  ``kv_b_proj`` (transformers' form); ``"absorbed"`` folds ``W_UK`` into the query and ``W_UV`` into the output and
+  attends over the latent directly (llama.cpp's and vLLM's decode form). Equal up to float rounding.
+* ``sparse`` (default True): DSA top-k selection on; ``False`` gives plain causal attention (the indexer is skipped).
+* DSA ties: the indexer keeps the ``min(index_topk, t+1)`` best causal keys of query ``t``; equal scores are broken
+  towards the lower position (a stable sort). transformers (``torch.topk``) and llama.cpp (``std::partial_sort``)
+  leave tie order unspecified, so only inputs without a tie at the selection boundary are comparable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from glm5serve.errors import GGUFModelError
+
+MLA_MODES = ("expanded", "absorbed")
+#: transformers ``GlmMoeDsaAttention``: ``GlmMoeDsaRMSNorm(q_lora_rank)`` / ``(kv_lora_rank)`` with the default eps
+HF_QA_KV_NORM_EPS = 1e-6
+#: transformers ``GlmMoeDsaIndexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)`` (with bias)
+INDEXER_K_NORM_EPS = 1e-6
+#: weights kept in fp32 whatever the compute dtype, as transformers does (``_keep_in_fp32_modules``) and the GGUF
+#: stores them (router, its bias and the indexer head weights feed top-k choices)
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back (transformers ``GlmMoeDsaRMSNorm``)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm (with bias) over the last dim in fp32, cast back to ``x.dtype`` (the indexer's ``k_norm``)."""
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (T, dim/2) fp32, of the angles ``position * theta^(-2i/dim)`` (RoFormer; transformers
+    ``compute_default_rope_parameters`` with ``head_dim = qk_rope_head_dim``)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs ``(x[2i], x[2i+1])`` of ``x`` (T, ..., dim) by angle i (ggml ``ROPE_TYPE_NORM``,
+    DeepSeek's interleaved layout); ``cos``/``sin`` are (T, dim/2). The output keeps the interleaved layout.
+
+    transformers' ``apply_rotary_pos_emb_interleave`` returns the same numbers de-interleaved (evens then odds);
+    it applies that permutation to both q and k, so dot products agree.
+    """
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``; weights in ``nn.Linear`` layout (out, in)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+@dataclass
+class KVCache:
+    """Per-layer caches of one sequence, grown by concatenation.
+
+    ``latent[i]`` (S, kv_lora_rank): the normalised MLA latent ``kv_a_layernorm(c_KV)``, which is also the value in
+    absorbed form; ``k_rope[i]`` (S, qk_rope_head_dim): the shared rotated key part; ``index_k[i]``
+    (S, index_head_dim): the indexer keys (None on ``"shared"`` indexer layers). ``length`` = S.
+    """
+
+    n_layers: int
+    length: int = 0
+    latent: list = field(default_factory=list)
+    k_rope: list = field(default_factory=list)
+    index_k: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.latent, self.k_rope, self.index_k = ([None] * self.n_layers for _ in range(3))
+
+    def append(self, kind: str, layer: int, new: torch.Tensor) -> torch.Tensor:
+        """Append ``new`` (T, d) to cache ``kind`` of ``layer`` and return the whole (S, d)."""
+        store = getattr(self, kind)
+        store[layer] = new if store[layer] is None else torch.cat([store[layer], new])
+        return store[layer]
+
+
+class ReferenceModel:
+    """GLM-5 forward pass over a dict of HF-named weights (``nn.Linear`` layout, transformers-5 names, fused
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I)).
+
+    ``cfg`` is a transformers ``GlmMoeDsaConfig``. Options (see the module docstring): ``mla`` ("expanded" or
+    "absorbed"), ``qa_kv_norm_eps`` (float, or "rms_norm_eps"), ``sparse``. They are plain attributes and may be
+    changed between calls. The compute dtype is that of the weights; norms, softmax, router and indexer scores
+    run in fp32 as in transformers; logits are returned in fp32.
+    """
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], *, mla: str = "expanded",
+                 qa_kv_norm_eps: float | str = HF_QA_KV_NORM_EPS, sparse: bool = True):
+        if mla not in MLA_MODES:
+            raise ValueError(f"mla must be one of {MLA_MODES}, not {mla!r}")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only the default RoPE (GLM-5) is implemented")
+        self.cfg, self.w = cfg, weights
+        self.mla, self.sparse = mla, sparse
+        self.qa_kv_norm_eps = float(cfg.rms_norm_eps if qa_kv_norm_eps == "rms_norm_eps" else qa_kv_norm_eps)
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.kv_lora = cfg.kv_lora_rank
+        self.rope_theta = float(rope.get("rope_theta", 10000.0))
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.index_heads, self.index_dim, self.index_topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.indexer_types = list(getattr(cfg, "indexer_types", None) or ["full"] * self.n_layers)
+        self.mlp_types = list(getattr(cfg, "mlp_layer_types", None) or
+                              ["dense" if i < cfg.first_k_dense_replace else "sparse" for i in range(self.n_layers)])
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
+        self.rms_eps = cfg.rms_norm_eps
+        emb = weights["model.embed_tokens.weight"]
+        self.dtype, self.device = emb.dtype, emb.device
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  **options) -> "ReferenceModel":
+        """Load a GLM-5 GGUF (one file or any shard of a split set) with glm5serve's dequantizers.
+
+        Every tensor of the main model is checked against :func:`glm5serve.schema.expected_tensors` (presence,
+        shape, quant type), dequantized to fp32, re-fused into the HF parameter (``attn_k_b``+``attn_v_b`` →
+        ``kv_b_proj`` by :func:`~glm5serve.schema.merge_kv_b`, ``ffn_gate_exps``+``ffn_up_exps`` →
+        ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights stay fp32).
+        The MTP block is checked likewise and then ignored, as llama.cpp's glm-dsa graph does. ``options`` go to
+        the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input.
+        """
+        from glm5serve.config import config_from_metadata
+        from glm5serve.dequant import dequantize_tensor
+        from glm5serve.gguf_file import GGUFModel
+        from glm5serve.schema import expected_tensors, hf_to_gguf, merge_gate_up, merge_kv_b
+
+        gguf = GGUFModel(path)
+        cfg = config_from_metadata(gguf)
+        for spec in expected_tensors(cfg):
+            if spec.gguf_name not in gguf:
+                if spec.required:
+                    raise GGUFModelError("required tensor is missing", file=str(gguf.path), tensor=spec.gguf_name)
+                continue
+            info = gguf[spec.gguf_name]
+            if tuple(info.shape) != tuple(spec.shape):
+                raise GGUFModelError(f"shape {tuple(info.shape)}, expected {tuple(spec.shape)}", file=info.file,
+                                     tensor=info.name)
+            if (why := spec.check_type(info.qtype)) is not None:
+                raise GGUFModelError(why, file=info.file, tensor=info.name)
+        weights: dict[str, torch.Tensor] = {}
+        for hf_name, parts in hf_to_gguf(cfg).items():
+            if any(p not in gguf for p in parts):  # optional (e.g. indexer of a "shared" layer), checked above
+                continue
+            ts = [dequantize_tensor(gguf[p], dtype=torch.float32) for p in parts]
+            if hf_name.endswith("kv_b_proj.weight"):
+                w = merge_kv_b(*ts)
+            elif hf_name.endswith("experts.gate_up_proj"):
+                w = merge_gate_up(*ts)
+            else:
+                (w,) = ts
+            weights[hf_name] = w.to(device=device, dtype=torch.float32 if hf_name.endswith(FP32_SUFFIXES) else dtype)
+            del ts, w
+        return cls(cfg, weights, **options)
+
+    # ------------------------------------------------------------------ layers
+    def _p(self, i: int, name: str) -> torch.Tensor:
+        return self.w[f"model.layers.{i}.{name}"]
+
+    def index_mask(self, i: int, x: torch.Tensor, q_resid: torch.Tensor, cos, sin, causal: torch.Tensor,
+                   cache: KVCache | None) -> torch.Tensor:
+        """DSA lightning indexer of layer ``i``: the (T, S) bool mask of the keys each query attends to.
+
+        ``x`` (T, H) is the normed layer input, ``q_resid`` (T, q_lora_rank) the normed query latent, ``causal``
+        (T, S) bool. ``q_I = wq_b(q_resid)`` (T, n, d), ``k_I = LayerNorm(wk(x))`` (S, d), RoPE on the first
+        ``qk_rope_head_dim`` dims of both; ``score[t, s] = Σ_h w[t, h] · relu(q_I[t, h]·k_I[s] / √d)`` with
+        ``w = weights_proj(x) / √n``; keep the top ``min(index_topk, t+1)`` causal keys (transformers
+        ``GlmMoeDsaIndexer``; DeepSeek-V3.2 paper, eq. 1). Scores are fp32.
+        """
+        p, r = "self_attn.indexer.", self.rope
+        T = x.shape[0]
+        q = F.linear(q_resid, self._p(i, p + "wq_b.weight")).view(T, self.index_heads, self.index_dim)
+        q = torch.cat([apply_rope_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = layer_norm(F.linear(x, self._p(i, p + "wk.weight")), self._p(i, p + "k_norm.weight"),
+                       self._p(i, p + "k_norm.bias"), INDEXER_K_NORM_EPS)
+        k = torch.cat([apply_rope_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
+        if cache is not None:
+            k = cache.append("index_k", i, k)
+        scores = F.relu(torch.matmul(q.float(), k.float().T) * self.index_dim ** -0.5)  # (T, n, S)
+        w = F.linear(x.float(), self._p(i, p + "weights_proj.weight").float()) * self.index_heads ** -0.5  # (T, n)
+        index_scores = torch.matmul(w.unsqueeze(1), scores).squeeze(1).masked_fill(~causal, float("-inf"))  # (T, S)
+        k_sel = min(self.index_topk, index_scores.shape[-1])
+        chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[:, :k_sel]
+        return torch.zeros_like(causal).scatter_(1, chosen, True) & causal
+
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos, sin, cache: KVCache | None,
+                  prev_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA + DSA attention of layer ``i`` on the normed input ``x`` (T, H) at ``positions`` (T,).
+
+        Returns the attention output (T, H) and the (T, S) key mask used (handed to the next layer, which reuses it
+        when its ``indexer_types`` entry is ``"shared"``). Latent ``c = RMSNorm(kv_a(x)[:kv_lora])``, per-head
+        ``k_nope = W_UK c``, ``v = W_UV c`` (``kv_b_proj`` = [W_UK; W_UV] per head); score scale
+        ``(qk_nope+qk_rope)^-0.5`` (DeepSeek-V2 paper, sec. 2.1; transformers ``GlmMoeDsaAttention``).
+        """
+        a = "self_attn."
+        T, nh, nope, r = x.shape[0], self.n_heads, self.nope, self.rope
+        q_resid = rms_norm(F.linear(x, self._p(i, a + "q_a_proj.weight")), self._p(i, a + "q_a_layernorm.weight"),
+                           self.qa_kv_norm_eps)
+        q = F.linear(q_resid, self._p(i, a + "q_b_proj.weight")).view(T, nh, nope + r)
+        q_nope, q_pe = q[..., :nope], apply_rope_interleaved(q[..., nope:], cos, sin)
+        kv = F.linear(x, self._p(i, a + "kv_a_proj_with_mqa.weight"))
+        latent = rms_norm(kv[:, :self.kv_lora], self._p(i, a + "kv_a_layernorm.weight"), self.qa_kv_norm_eps)
+        k_pe = apply_rope_interleaved(kv[:, self.kv_lora:], cos, sin)
+        if cache is not None:
+            latent, k_pe = cache.append("latent", i, latent), cache.append("k_rope", i, k_pe)
+        S = latent.shape[0]
+        causal = torch.arange(S, device=x.device)[None, :] <= positions[:, None]  # (T, S)
+        if not self.sparse:
+            mask = causal
+        elif self.indexer_types[i] == "shared":
+            if prev_mask is None:
+                raise ValueError(f"layer {i} shares the indexer of a previous layer, but none precedes it")
+            mask = prev_mask
+        else:
+            mask = self.index_mask(i, x, q_resid, cos, sin, causal, cache)
+
+        kv_b = self._p(i, a + "kv_b_proj.weight").view(nh, nope + self.v_dim, self.kv_lora)
+        if self.mla == "expanded":
+            kv_full = F.linear(latent, self._p(i, a + "kv_b_proj.weight")).view(S, nh, nope + self.v_dim)
+            k = torch.cat([kv_full[..., :nope], k_pe[:, None, :].expand(S, nh, r)], dim=-1)  # (S, nh, nope+r)
+            v = kv_full[..., nope:]
+            scores = torch.matmul(torch.cat([q_nope, q_pe], -1).transpose(0, 1), k.permute(1, 2, 0)) * self.scale
+        else:
+            q_abs = torch.matmul(q_nope.transpose(0, 1), kv_b[:, :nope])  # (nh, T, kv_lora) = W_UKᵀ q_nope
+            scores = (torch.matmul(q_abs, latent.T) + torch.matmul(q_pe.transpose(0, 1), k_pe.T)) * self.scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(x.dtype)  # (nh, T, S)
+        if self.mla == "expanded":
+            out = torch.matmul(probs, v.transpose(0, 1))  # (nh, T, v)
+        else:
+            out = torch.matmul(torch.matmul(probs, latent), kv_b[:, nope:].transpose(1, 2))  # W_UV (P c)
+        out = out.transpose(0, 1).reshape(T, nh * self.v_dim)
+        return F.linear(out, self._p(i, a + "o_proj.weight")), mask
+
+    def router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid router of MoE layer ``i``: (weights (T, k) fp32, expert ids (T, k)).
+
+        ``s = sigmoid(x·W_gᵀ)`` in fp32; experts chosen by top-k of ``s + e_score_correction_bias`` (within the best
+        ``topk_group`` of ``n_group`` groups, each scored by its top-2 sum); weights are the chosen ``s`` (bias not
+        included), normalised to sum 1 if ``norm_topk_prob``, times ``routed_scaling_factor``
+        (transformers ``GlmMoeDsaTopkRouter``; DeepSeek-V3 "noaux_tc").
+        """
+        logits = F.linear(x.float(), self._p(i, "mlp.gate.weight").float())
+        scores = logits.sigmoid()
+        choice = scores + self._p(i, "mlp.gate.e_score_correction_bias").float()
+        E = choice.shape[-1]
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, E // self.n_group)
+            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, E)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+    def routed_experts(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Σ_k weight_k · SwiGLU_{expert_k}(x) over the routed experts of MoE layer ``i``; ``x`` (T, H) → (T, H)."""
+        weights, ids = self.router(i, x)
+        gate_up, down = self._p(i, "mlp.experts.gate_up_proj"), self._p(i, "mlp.experts.down_proj")
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, down[e])
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
+        return out
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Feed-forward of layer ``i`` on the normed input ``x`` (T, H): dense SwiGLU, or routed + shared experts."""
+        if self.mlp_types[i] == "dense":
+            return swiglu(x, self._p(i, "mlp.gate_proj.weight"), self._p(i, "mlp.up_proj.weight"),
+                          self._p(i, "mlp.down_proj.weight"))
+        s = "mlp.shared_experts."
+        shared = swiglu(x, self._p(i, s + "gate_proj.weight"), self._p(i, s + "up_proj.weight"),
+                        self._p(i, s + "down_proj.weight"))
+        return self.routed_experts(i, x) + shared
+
+    # ------------------------------------------------------------------ model
+    @torch.inference_mode()
+    def forward(self, input_ids, cache: KVCache | None = None, *, capture: bool = False):
+        """Logits (T, vocab) fp32 for every position of ``input_ids`` (LongTensor or ints, shape (T,)).
+
+        With a ``cache``, the tokens continue the cached sequence (positions start at ``cache.length``) and the
+        cache is extended. With ``capture=True`` returns ``(logits, hidden)``, ``hidden`` a list of
+        ``num_hidden_layers + 1`` fp32 (T, H) tensors: the embeddings, then the residual stream after each layer
+        (what a forward hook on transformers' ``GlmMoeDsaDecoderLayer`` returns), for locating a divergence.
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + ids.numel(), device=self.device)
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
+        h = F.embedding(ids, self.w["model.embed_tokens.weight"])
+        hidden = [h.float()] if capture else None
+        mask = None
+        for i in range(self.n_layers):
+            attn, mask = self.attention(i, rms_norm(h, self._p(i, "input_layernorm.weight"), self.rms_eps),
+                                        positions, cos, sin, cache, mask)
+            h = h + attn
+            h = h + self.ffn(i, rms_norm(h, self._p(i, "post_attention_layernorm.weight"), self.rms_eps))
+            if capture:
+                hidden.append(h.float())
+        if cache is not None:
+            cache.length += ids.numel()
+        h = rms_norm(h, self.w["model.norm.weight"], self.rms_eps)
+        logits = F.linear(h, self.w["lm_head.weight"]).float()
+        return (logits, hidden) if capture else logits
+
+    __call__ = forward
+
+    def new_cache(self) -> KVCache:
+        """An empty :class:`KVCache` for one sequence."""
+        return KVCache(self.n_layers)
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = True,
+               temperature: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = ()
+               ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(token_id, logprobs)`` for up to ``max_new_tokens`` new tokens, ``logprobs`` the (vocab,) fp32
+        log-softmax the token was drawn from (before temperature). Prefill once, then one token per step
+        through the KV cache. Greedy = argmax (lowest id on ties); otherwise sampling at ``temperature`` with a
+        ``torch.Generator`` seeded by ``seed``. Stops after yielding a token in ``stop_ids``.
+        """
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt must hold at least one token")
+        cache = self.new_cache()
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        logits = self.forward(list(prompt_ids), cache)[-1]
+        for n in range(max_new_tokens):
+            logprobs = torch.log_softmax(logits, dim=-1)
+            if greedy:
+                tok = int(logits.argmax())
+            else:
+                tok = int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen))
+            yield tok, logprobs
+            if tok in stop_ids or n + 1 == max_new_tokens:
+                return
+            logits = self.forward([tok], cache)[-1]
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, **kwargs) -> list[int]:
+        """The new token ids (at most ``max_new_tokens``) continuing ``prompt_ids``; see :meth:`stream`."""
+        return [tok for tok, _ in self.stream(prompt_ids, max_new_tokens, greedy=greedy, **kwargs)]
