@@ -47,16 +47,21 @@ INDEXER_K_NORM_EPS = 1e-6
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or in its own dtype if wider (fp64 runs stay fp64 throughout)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (transformers ``GlmMoeDsaRMSNorm``)."""
-    xf = x.float()
+    xf = upcast(x)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm (with bias) over the last dim in fp32, cast back to ``x.dtype`` (the indexer's ``k_norm``)."""
-    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(upcast(x), x.shape[-1:], upcast(weight), upcast(bias), eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +122,8 @@ class ReferenceModel:
     ``cfg`` is a transformers ``GlmMoeDsaConfig``. Options (see the module docstring): ``mla`` ("expanded" or
     "absorbed"), ``qa_kv_norm_eps`` (float, or "rms_norm_eps"), ``sparse``. They are plain attributes and may be
     changed between calls. The compute dtype is that of the weights; norms, softmax, router and indexer scores
-    run in fp32 as in transformers; logits are returned in fp32.
+    run in fp32 as in transformers (fp64 for fp64 weights); logits and captured states are fp32 (fp64 for fp64
+    weights, which the metamorphic tests use to tell logic errors from rounding).
     """
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], *, mla: str = "expanded",
@@ -215,8 +221,8 @@ class ReferenceModel:
         k = torch.cat([apply_rope_interleaved(k[:, :r], cos, sin), k[:, r:]], dim=-1)
         if cache is not None:
             k = cache.append("index_k", i, k)
-        scores = F.relu(torch.matmul(q.float(), k.float().T) * self.index_dim ** -0.5)  # (T, n, S)
-        w = F.linear(x.float(), self._p(i, p + "weights_proj.weight").float()) * self.index_heads ** -0.5  # (T, n)
+        scores = F.relu(torch.matmul(upcast(q), upcast(k).T) * self.index_dim ** -0.5)  # (T, n, S)
+        w = F.linear(upcast(x), upcast(self._p(i, p + "weights_proj.weight"))) * self.index_heads ** -0.5  # (T, n)
         index_scores = torch.matmul(w.unsqueeze(1), scores).squeeze(1).masked_fill(~causal, float("-inf"))  # (T, S)
         k_sel = min(self.index_topk, index_scores.shape[-1])
         chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[:, :k_sel]
@@ -262,7 +268,7 @@ class ReferenceModel:
         else:
             q_abs = torch.matmul(q_nope.transpose(0, 1), kv_b[:, :nope])  # (nh, T, kv_lora) = W_UKᵀ q_nope
             scores = (torch.matmul(q_abs, latent.T) + torch.matmul(q_pe.transpose(0, 1), k_pe.T)) * self.scale
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(x.dtype)  # (nh, T, S)
+        probs = torch.softmax(upcast(scores.masked_fill(~mask, float("-inf"))), dim=-1).to(x.dtype)  # (nh, T, S)
         if self.mla == "expanded":
             out = torch.matmul(probs, v.transpose(0, 1))  # (nh, T, v)
         else:
@@ -278,9 +284,9 @@ class ReferenceModel:
         included), normalised to sum 1 if ``norm_topk_prob``, times ``routed_scaling_factor``
         (transformers ``GlmMoeDsaTopkRouter``; DeepSeek-V3 "noaux_tc").
         """
-        logits = F.linear(x.float(), self._p(i, "mlp.gate.weight").float())
+        logits = F.linear(upcast(x), upcast(self._p(i, "mlp.gate.weight")))
         scores = logits.sigmoid()
-        choice = scores + self._p(i, "mlp.gate.e_score_correction_bias").float()
+        choice = scores + upcast(self._p(i, "mlp.gate.e_score_correction_bias"))
         E = choice.shape[-1]
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, E // self.n_group)
@@ -318,7 +324,7 @@ class ReferenceModel:
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
     def forward(self, input_ids, cache: KVCache | None = None, *, capture: bool = False):
-        """Logits (T, vocab) fp32 for every position of ``input_ids`` (LongTensor or ints, shape (T,)).
+        """Logits (T, vocab) fp32 (fp64 for fp64 weights) for every position of ``input_ids`` (LongTensor or ints, shape (T,)).
 
         With a ``cache``, the tokens continue the cached sequence (positions start at ``cache.length``) and the
         cache is extended. With ``capture=True`` returns ``(logits, hidden)``, ``hidden`` a list of
@@ -330,7 +336,7 @@ class ReferenceModel:
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
         h = F.embedding(ids, self.w["model.embed_tokens.weight"])
-        hidden = [h.float()] if capture else None
+        hidden = [upcast(h)] if capture else None
         mask = None
         for i in range(self.n_layers):
             attn, mask = self.attention(i, rms_norm(h, self._p(i, "input_layernorm.weight"), self.rms_eps),
@@ -338,11 +344,11 @@ class ReferenceModel:
             h = h + attn
             h = h + self.ffn(i, rms_norm(h, self._p(i, "post_attention_layernorm.weight"), self.rms_eps))
             if capture:
-                hidden.append(h.float())
+                hidden.append(upcast(h))
         if cache is not None:
             cache.length += ids.numel()
         h = rms_norm(h, self.w["model.norm.weight"], self.rms_eps)
-        logits = F.linear(h, self.w["lm_head.weight"]).float()
+        logits = upcast(F.linear(h, self.w["lm_head.weight"]))
         return (logits, hidden) if capture else logits
 
     __call__ = forward
