@@ -60,7 +60,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     indexer_types = md.get(f"{ARCH}.attention.indexer.types")
     kwargs: dict[str, Any] = {}
     if indexer_types is not None:
-        kwargs["indexer_types"] = [str(t) for t in indexer_types][:n_layers]
+        # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); accept names too
+        kwargs["indexer_types"] = [t if isinstance(t, str) else ("full" if t else "shared")
+                                   for t in indexer_types][:n_layers]
 
     eos = md.get("tokenizer.ggml.eos_token_id")
     return GlmMoeDsaConfig(
