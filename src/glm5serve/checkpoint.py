@@ -455,3 +455,33 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out_dir / f"{stem}-00001-of-{split:05d}.gguf"
+
+
+def default_checkpoint() -> Path:
+    """The embedded default model (tiny, ud-q4_k_xl), built once into the user cache: see :mod:`glm5serve.cache`."""
+    from glm5serve.cache import default_checkpoint as build
+
+    return build()
+
+
+def add_parser(subparsers) -> None:
+    """Register ``make-checkpoint`` with the ``glm5serve`` argparse sub-commands."""
+    p = subparsers.add_parser("make-checkpoint", help="write a deterministic synthetic GLM-5 GGUF",
+                              description=make_checkpoint.__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", help="directory to write the GGUF file(s) into")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl")
+    p.add_argument("--split", type=int, default=1, help="number of files (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from glm5serve.errors import GGUFModelError
+
+    try:
+        path = make_checkpoint(args.out_dir, args.preset, args.mix, args.split, args.seed, progress=True)
+    except (ValueError, RuntimeError) as e:
+        raise GGUFModelError(str(e)) from None
+    print(path)
+    return 0

@@ -71,9 +71,35 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
     return paths
 
 
+class _TensorProblem(Exception):
+    def __init__(self, tensor: str, reason: str):
+        super().__init__(reason)
+        self.tensor, self.reason = tensor, reason
+
+
+class _Reader(GGUFReader):
+    """gguf-py's reader, but a tensor of unknown type or whose data runs past the end of the file is named."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_dtype, offset = field.parts
+            tensor = bytes(name).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise _TensorProblem(tensor, f"unknown ggml tensor type id {int(raw_dtype[0])}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if start_offs + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_size // block > size:
+                raise _TensorProblem(tensor, "truncated file: tensor data runs past the end of the file")
+        super()._build_tensors(start_offs, fields)
+
+
 def _open_reader(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(path, "r")
+        return _Reader(path, "r")
+    except _TensorProblem as e:
+        raise GGUFModelError(e.reason, file=str(path), tensor=e.tensor) from None
     except ValueError as e:  # bad magic, unknown ggml type, data past end of file (reshape fails), ...
         msg = str(e)
         if "reshape" in msg or "buffer is smaller" in msg or "out of bounds" in msg:

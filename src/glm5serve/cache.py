@@ -1,0 +1,68 @@
+"""Checkpoints built once into the user cache (``$GLM5SERVE_CACHE`` or ``~/.cache/glm5serve``), the embedded default.
+
+A cached checkpoint lives in a directory named after its arguments and a digest of the code that writes it
+(checkpoint, tokenizer, corpus, schema, config and quantizer modules, gguf-py's version), so a change to any of them
+builds a fresh one. Building happens in a temporary directory renamed into place, so concurrent builders (parallel
+test sessions) never see a half-written file.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import gguf
+
+_SOURCES = ("checkpoint", "tokenizer", "_corpus", "schema", "config", "quantize")
+
+
+def cache_dir() -> Path:
+    """``$GLM5SERVE_CACHE`` if set, else ``~/.cache/glm5serve`` (created on demand by the builders)."""
+    return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
+
+
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """12 hex digits identifying the code that writes checkpoints (see module docstring)."""
+    h = hashlib.sha256(getattr(gguf, "__version__", "").encode())
+    for name in _SOURCES:
+        spec = importlib.util.find_spec(f"glm5serve.{name}")
+        if spec is not None and spec.origin:
+            h.update(name.encode() + Path(spec.origin).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int = 1, seed: int = 0, *,
+                      progress: bool = False, **options) -> Path:
+    """:func:`glm5serve.checkpoint.make_checkpoint` into the cache, built on first use; returns the model path.
+
+    ``options`` (``indexer_types``, ``mtp_shared_tensors``) are passed on and become part of the directory name.
+    """
+    from glm5serve.checkpoint import checkpoint_name, make_checkpoint
+
+    extra = "".join(f"-{k}={'+'.join(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(options.items()))
+    target = cache_dir() / "checkpoints" / f"{checkpoint_name(preset, mix, seed)}-x{split}{extra}-{code_digest()}"
+    done = target / "COMPLETE"
+    if not done.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+        try:
+            path = make_checkpoint(tmp, preset, mix, split, seed, progress=progress, **options)
+            (tmp / "COMPLETE").write_text(path.name + "\n")
+            try:
+                os.replace(tmp, target)  # atomic; fails if another builder got there first
+            except OSError:
+                if not done.is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target / done.read_text().strip()
+
+
+def default_checkpoint() -> Path:
+    """The embedded default model: the tiny preset in the ud-q4_k_xl mix, built once (with a progress bar)."""
+    return cached_checkpoint("tiny", "ud-q4_k_xl", progress=True)

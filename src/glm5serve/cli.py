@@ -1,0 +1,55 @@
+"""The ``glm5serve`` command: argparse sub-commands, one module each.
+
+Every module in :data:`COMMAND_MODULES` exposes ``add_parser(subparsers)``, which registers its sub-command and sets
+``func`` (``args -> exit code``). A module that is not there (a command still being written, or left out of a
+build) is skipped. Bad input -- any :class:`~glm5serve.errors.GGUFModelError` -- is printed as its one line on
+stderr with exit status 2, never as a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from glm5serve.errors import GGUFModelError
+
+COMMAND_MODULES = ("glm5serve.checkpoint", "glm5serve.inspect_cmd", "glm5serve.verify",
+                   "glm5serve.generate", "glm5serve.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``glm5serve`` parser with every available sub-command registered."""
+    parser = argparse.ArgumentParser(prog="glm5serve", description="Serve GLM-5 from GGUF files and prove the "
+                                                                   "output is right.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # command not available in this build
+            raise
+        add = getattr(module, "add_parser", None)
+        if add is not None:
+            add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``glm5serve`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except GGUFModelError as e:
+        print(f"glm5serve {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into e.g. `head`: stop quietly (Python docs, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

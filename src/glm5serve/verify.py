@@ -1,0 +1,299 @@
+"""``glm5serve verify MODEL [--tp N]``: the static half of the harness -- is this GGUF a loadable GLM-5?
+
+Checks, in order (each a function ``(ctx) -> list[Check]``; :data:`STATIC_CHECKS`; other layers -- e.g. an engine
+run -- extend the list): the files open as one split set; architecture and metadata present and consistent; the
+tokenizer builds; every required tensor present exactly once with the right shape, optional ones accepted as
+llama.cpp's ``glm-dsa`` loader accepts them, no unknown tensors; every type allowed; TP=N compatible; every tensor
+dequantizes to finite values (whole tensors up to :data:`FULL_CHECK_BYTES`, evenly spaced sample rows beyond, so a
+430 GB model reads headers plus samples only). Each failing check names file and tensor in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from glm5serve import schema
+from glm5serve.config import ARCH, config_from_metadata
+from glm5serve.errors import GGUFModelError
+from glm5serve.gguf_file import GGUFModel
+
+FULL_CHECK_BYTES = 16 << 20
+SAMPLE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verification result: ``name`` of the check, ``ok``, and a one-line ``detail`` (for a failure:
+    ``FILE: TENSOR: reason``, as a GGUFModelError prints it)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name:<10} {self.detail}"
+
+
+@dataclass
+class Context:
+    """What the checks share: the path, the TP size, and what earlier checks established."""
+
+    path: str
+    tp: int = 1
+    model: GGUFModel | None = None
+    cfg: object | None = None
+    specs: dict[str, schema.TensorSpec] = field(default_factory=dict)
+
+
+def _fail(name: str, err: GGUFModelError | str, **where) -> Check:
+    return Check(name, False, str(err if isinstance(err, GGUFModelError) else GGUFModelError(err, **where)))
+
+
+def check_open(ctx: Context) -> list[Check]:
+    """All files of the split set present, readable, consistent ``split.*`` keys, no tensor stored twice."""
+    try:
+        ctx.model = GGUFModel(ctx.path)
+    except GGUFModelError as e:
+        return [_fail("files", e)]
+    m = ctx.model
+    n_files = len(m.paths)
+    where = f"{n_files} files ({m.paths[0].name} ... {m.paths[-1].name})" if n_files > 1 else m.path.name
+    return [Check("files", True, f"{where}: {len(m)} tensors, {sum(t.n_bytes for t in m) / 2**20:.1f} MiB")]
+
+
+def _metadata_problems(md: dict, cfg) -> list[str]:
+    """Keys that contradict each other or the config (llama.cpp ``llama_model_glm_dsa::load_arch_hparams``)."""
+    a = ARCH + "."
+    out = []
+
+    def eq(key: str, want) -> None:
+        v = md.get(a + key)
+        if v is not None and int(v) != int(want):
+            out.append(f"{a}{key}={int(v)} but the other keys give {int(want)}")
+
+    n_blocks = int(md[a + "block_count"])
+    eq("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    eq("attention.value_length", cfg.kv_lora_rank)
+    eq("attention.head_count_kv", 1)
+    if cfg.num_nextn_predict_layers >= n_blocks:
+        out.append(f"{a}nextn_predict_layers={cfg.num_nextn_predict_layers} is not below block_count={n_blocks}")
+    if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
+        out.append(f"{a}expert_used_count={cfg.num_experts_per_tok} not in 1..expert_count={cfg.n_routed_experts}")
+    if cfg.first_k_dense_replace > cfg.num_hidden_layers:
+        out.append(f"{a}leading_dense_block_count={cfg.first_k_dense_replace} exceeds the "
+                   f"{cfg.num_hidden_layers} main layers")
+    if cfg.qk_nope_head_dim <= 0:
+        out.append(f"{a}attention.key_length_mla={cfg.qk_nope_head_dim + cfg.qk_rope_head_dim} is not above "
+                   f"rope.dimension_count={cfg.qk_rope_head_dim}")
+    if cfg.index_head_dim < cfg.qk_rope_head_dim:
+        out.append(f"{a}attention.indexer.key_length={cfg.index_head_dim} is below the rope dimension "
+                   f"{cfg.qk_rope_head_dim}")
+    if cfg.num_attention_heads <= 0 or cfg.index_n_heads <= 0 or cfg.index_topk <= 0:
+        out.append("head counts and indexer top_k must be positive")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != cfg.vocab_size:
+        out.append(f"{a}vocab_size={cfg.vocab_size} but tokenizer.ggml.tokens holds {len(tokens)}")
+    types = md.get(a + "attention.indexer.types")
+    if types is not None:
+        if len(types) < cfg.num_hidden_layers:
+            out.append(f"{a}attention.indexer.types has {len(types)} entries for {cfg.num_hidden_layers} layers")
+        elif not types[0]:
+            out.append(f"{a}attention.indexer.types: layer 0 is 'shared' but no earlier layer has an indexer")
+    return out
+
+
+def check_metadata(ctx: Context) -> list[Check]:
+    """``general.architecture`` is ``glm-dsa``; every key the loader needs is present and the keys agree."""
+    m = ctx.model
+    try:
+        ctx.cfg = config_from_metadata(m)
+    except GGUFModelError as e:
+        return [_fail("metadata", e)]
+    except (TypeError, ValueError) as e:  # a key of the wrong type, or a config transformers rejects
+        return [_fail("metadata", f"inconsistent metadata: {e}", file=str(m.path))]
+    problems = _metadata_problems(m.metadata, ctx.cfg)
+    if problems:
+        return [_fail("metadata", "; ".join(problems), file=str(m.path))]
+    c = ctx.cfg
+    gating = "" if m.get(".expert_gating_func") is not None else " (expert_gating_func absent: sigmoid)"
+    return [Check("metadata", True,
+                  f"{ARCH}: {c.num_hidden_layers} layers + {c.num_nextn_predict_layers} MTP, hidden {c.hidden_size}, "
+                  f"{c.num_attention_heads} heads, {c.n_routed_experts} experts top-{c.num_experts_per_tok}, "
+                  f"index_topk {c.index_topk}, vocab {c.vocab_size}{gating}")]
+
+
+def check_tokenizer(ctx: Context) -> list[Check]:
+    """The ``tokenizer.ggml.*`` arrays build a working tokenizer (:func:`glm5serve.tokenizer.tokenizer_from_gguf`)."""
+    from glm5serve.tokenizer import tokenizer_from_gguf
+
+    try:
+        tok = tokenizer_from_gguf(ctx.model)
+        ids = tok.encode("Hello, world! 123", add_special_tokens=False)
+    except GGUFModelError as e:
+        return [_fail("tokenizer", e)]
+    except Exception as e:  # malformed merges or tokens: the tokenizers library's own error
+        return [_fail("tokenizer", f"tokenizer does not build: {type(e).__name__}: {e}", file=str(ctx.model.path))]
+    return [Check("tokenizer", True, f"gpt2 BPE, {len(tok)} tokens, {ctx.model.get('tokenizer.ggml.pre')} "
+                                     f"pre-tokenizer, 'Hello, world! 123' -> {len(ids)} tokens")]
+
+
+def check_tensors(ctx: Context) -> list[Check]:
+    """Required tensors present with the right shape; optional ones accepted; nothing unknown."""
+    m, specs = ctx.model, schema.expected_tensors(ctx.cfg)
+    ctx.specs = {s.gguf_name: s for s in specs}
+    for s in specs:
+        if s.gguf_name not in m:
+            if s.required:
+                return [_fail("tensors", "required tensor missing", file=str(m.path), tensor=s.gguf_name)]
+            continue
+        t = m[s.gguf_name]
+        if t.shape != s.shape:
+            return [_fail("tensors", f"shape {t.shape} (numpy order), expected {s.shape}", file=t.file,
+                          tensor=t.name)]
+    for t in m:
+        if t.name not in ctx.specs:
+            return [_fail("tensors", "unknown tensor (not part of a GLM-5 GGUF of this configuration)", file=t.file,
+                          tensor=t.name)]
+    n_opt = sum(1 for s in specs if not s.required and s.gguf_name in m)
+    n_req = sum(1 for s in specs if s.required)
+    return [Check("tensors", True, f"{n_req} required present with expected shapes, {n_opt} optional, none unknown")]
+
+
+def check_types(ctx: Context) -> list[Check]:
+    """Every type supported and allowed for its tensor: block size divides the row, 1-D tensors F32,
+    no 256-element blocks in ``attn_k_b`` (:meth:`glm5serve.schema.TensorSpec.check_type`)."""
+    counts: dict[str, int] = {}
+    for t in ctx.model:
+        s = ctx.specs.get(t.name)
+        reason = s.check_type(t.qtype) if s is not None else None
+        if reason:
+            return [_fail("types", reason, file=t.file, tensor=t.name)]
+        counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
+    return [Check("types", True, ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))]
+
+
+def tp_problems(cfg, model: GGUFModel, specs: dict[str, schema.TensorSpec], tp: int) -> list[tuple[str, str]]:
+    """Why ``model`` cannot be split ``tp`` ways, as (tensor or "", reason) pairs.
+
+    Attention heads and the (shared-)expert and dense intermediate sizes must divide by ``tp``; a column-parallel
+    tensor's rows (dim -2) must divide; a row-parallel tensor's row (dim -1) must divide into shards that are whole
+    quant blocks, since vLLM slices quantized rows by bytes.
+    """
+    out: list[tuple[str, str]] = []
+    for what, n in (("attention.head_count", cfg.num_attention_heads),
+                    ("expert_feed_forward_length", cfg.moe_intermediate_size),
+                    ("feed_forward_length", cfg.intermediate_size)):
+        if n % tp:
+            out.append(("", f"{ARCH}.{what}={n} does not divide by TP={tp}"))
+    for t in model:
+        s = specs.get(t.name)
+        if s is None or s.tp_split is None:
+            continue
+        block = GGML_QUANT_SIZES[t.qtype][0]
+        if s.tp_split == "col" and t.shape[-2] % tp:
+            out.append((t.name, f"{t.shape[-2]} output rows do not divide by TP={tp}"))
+        if s.tp_split == "row" and (t.shape[-1] % tp or (t.shape[-1] // tp) % block):
+            out.append((t.name, f"row of {t.shape[-1]} split {tp} ways is not a whole number of "
+                                f"{t.qtype.name} blocks of {block}"))
+    return out
+
+
+def check_tp(ctx: Context) -> list[Check]:
+    """TP=N compatibility (:func:`tp_problems`)."""
+    problems = tp_problems(ctx.cfg, ctx.model, ctx.specs, ctx.tp)
+    if problems:
+        tensor, reason = problems[0]
+        t = ctx.model.tensors.get(tensor)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return [_fail("tp", reason + more, file=t.file if t else str(ctx.model.path), tensor=tensor or None)]
+    return [Check("tp", True, f"TP={ctx.tp}: heads, intermediate sizes and row-parallel quant blocks divide")]
+
+
+def _sample_rows(n_rows: int, n: int = SAMPLE_ROWS) -> np.ndarray:
+    return np.unique(np.linspace(0, n_rows - 1, num=min(n, n_rows)).round().astype(np.int64))
+
+
+def check_finite(ctx: Context) -> list[Check]:
+    """Every tensor dequantizes to finite values: whole tensors up to FULL_CHECK_BYTES, else SAMPLE_ROWS rows."""
+    from glm5serve.dequant import dequantize
+
+    sampled = 0
+    for t in ctx.model:
+        if t.qtype not in schema.SUPPORTED_TYPES:
+            continue  # reported by the types check
+        rows = t.data.reshape(-1, t.data.shape[-1])
+        if t.n_bytes > FULL_CHECK_BYTES:
+            idx = _sample_rows(rows.shape[0])
+            rows, sampled = rows[idx], sampled + 1
+        else:
+            idx = None
+        try:
+            values = dequantize(np.asarray(rows), t.qtype)
+        except GGUFModelError as e:
+            return [_fail("finite", e.reason, file=t.file, tensor=t.name)]
+        bad = ~values.isfinite()
+        if bool(bad.any()):
+            r, c = (int(x) for x in bad.nonzero()[0])
+            row = int(idx[r]) if idx is not None else r
+            block = GGML_QUANT_SIZES[t.qtype][0]
+            return [_fail("finite", f"non-finite value after dequantization (row {row}, block {c // block})",
+                          file=t.file, tensor=t.name)]
+    how = f", {sampled} large ones sampled ({SAMPLE_ROWS} rows each)" if sampled else ""
+    return [Check("finite", True, f"all {len(ctx.model)} tensors dequantize to finite values{how}")]
+
+
+STATIC_CHECKS: list[Callable[[Context], list[Check]]] = [
+    check_open, check_metadata, check_tokenizer, check_tensors, check_types, check_tp, check_finite]
+FATAL = {check_open, check_metadata, check_tensors}
+
+
+def verify(path, tp: int = 1, checks: list[Callable[[Context], list[Check]]] | None = None) -> list[Check]:
+    """Run ``checks`` (default :data:`STATIC_CHECKS`) on the GGUF at ``path`` for tensor-parallel size ``tp``.
+
+    Stops when a check that later ones build on fails (:data:`FATAL`: no tensor table without readable files, no
+    expected shapes without metadata, no values without the right tensors), so one defect gives one FAIL line.
+    Never raises GGUFModelError: problems are returned as failed :class:`Check` s.
+    """
+    ctx = Context(str(path), tp)
+    results: list[Check] = []
+    for check in checks or STATIC_CHECKS:
+        out = check(ctx)
+        results += out
+        if check in FATAL and not all(c.ok for c in out):
+            break
+    return results
+
+
+def add_parser(subparsers) -> None:
+    """Register ``verify`` with the ``glm5serve`` argparse sub-commands."""
+    p = subparsers.add_parser("verify", help="statically verify a GLM-5 GGUF (metadata, tensors, types, TP, values)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="GGUF file or shard 1 of a split set (default: the embedded checkpoint)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check compatibility for (default 1)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one line per check and a verdict; 0 when every check passes, 1 otherwise."""
+    if args.tp < 1:
+        raise GGUFModelError(f"--tp must be at least 1, not {args.tp}")
+    if args.model is None:
+        from glm5serve.cache import default_checkpoint
+
+        args.model = str(default_checkpoint())
+    results = verify(args.model, args.tp)
+    for c in results:
+        print(c.line())
+    failed = [c for c in results if not c.ok]
+    print(f"verify: {'FAILED' if failed else 'OK'} ({len(results) - len(failed)}/{len(results)} checks passed, "
+          f"TP={args.tp}) {args.model}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run(argparse.Namespace(model=sys.argv[1], tp=1)))
