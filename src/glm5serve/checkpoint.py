@@ -15,6 +15,7 @@ almost never all zero (no top-k ties).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
@@ -317,13 +318,41 @@ _FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "bf16": LlamaFileType.MOSTLY_BF16,
                "llama-q4_k_m": LlamaFileType.MOSTLY_BF16, "ud-q4_k_xl": LlamaFileType.MOSTLY_Q4_K_M}
 
 
+def _ggml_quantize(a: np.ndarray, qtype: Q) -> np.ndarray:
+    """llama.cpp's own ``ggml_quantize_chunk`` (no importance matrix: the ``quantize_row_*_ref`` algorithms), through
+    llama-cpp-python's bundled libggml-base; same contract as ``gguf.quants.quantize``."""
+    import ctypes
+    from pathlib import Path as _P
+
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(_P(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    src = np.ascontiguousarray(a, dtype=np.float32)
+    row = src.shape[-1]
+    out = np.empty((*src.shape[:-1], row // block * type_size), dtype=np.uint8)
+    fn(int(qtype), src.ctypes.data, out.ctypes.data, 0, src.size // row, row, None)
+    return out
+
+
 def quantizer() -> Callable[[np.ndarray, Q], np.ndarray]:
-    """The quantizer in use: ``glm5serve.quantize.quantize`` when present, else gguf-py's (no K-quants)."""
+    """The quantizer in use: ``glm5serve.quantize.quantize`` when present; until then llama.cpp's (when the
+    ``oracle`` extra is installed) for the K-quants gguf-py lacks, else gguf-py's (no K-quants)."""
     try:
         from glm5serve.quantize import quantize
+        return quantize
     except ImportError:
-        from gguf.quants import quantize
-    return quantize
+        from gguf.quants import quantize as gguf_quantize
+
+    def fallback(a: np.ndarray, qtype: Q) -> np.ndarray:
+        if GGML_QUANT_SIZES[qtype][0] == 256 and importlib.util.find_spec("llama_cpp") is not None:
+            return _ggml_quantize(a, qtype)
+        return gguf_quantize(a, qtype)
+    return fallback
 
 
 def encode(a: np.ndarray, qtype: Q) -> np.ndarray:
