@@ -1,0 +1,34 @@
+"""glm5serve as a vLLM plugin: ``vllm serve GLM-5-00001-of-0000N.gguf`` with nothing else on the command line.
+
+The ``vllm.general_plugins`` entry point ``glm5serve`` runs :func:`register` in every vLLM process. Modules:
+``config_parser`` (config and tokenizer from GGUF metadata), ``weights`` (the GLM-DSA weights adapter),
+``loader`` (checked loading), ``fixes`` (every vllm-gguf-plugin fault fix), ``tp`` (which TP sizes a file
+allows; no vLLM import), ``cpu`` (vLLM's GLM-5 model on a CPU, for tests), ``serve`` (``glm5serve serve``).
+Importing this package does not import vLLM.
+"""
+from __future__ import annotations
+
+
+def register() -> None:
+    """Register glm5serve with vLLM (idempotent; vLLM runs general plugins in no fixed order).
+
+    Runs ``vllm_gguf_plugin.register()`` first (idempotent too), then layers on top: the plugin fixes, the GLM-DSA
+    weights adapter (first in the plugin's adapter registry), the checked ``gguf`` model loader, the ``gguf``
+    config parser and the engine-argument hook that gives a ``glm-dsa`` GGUF its config and tokenizer.
+    """
+    import vllm_gguf_plugin
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader, register_model_loader
+    from vllm_gguf_plugin import weights_adapter
+
+    from glm5serve.vllm_plugin import config_parser, fixes
+    from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader
+    from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
+
+    vllm_gguf_plugin.register()
+    fixes.apply()
+    if GlmDsaWeightsAdapter not in weights_adapter._ADAPTER_REGISTRY:
+        weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaWeightsAdapter)
+    if not isinstance(get_model_loader(LoadConfig(load_format="gguf")), GLM5GGUFModelLoader):
+        register_model_loader("gguf")(GLM5GGUFModelLoader)
+    config_parser.register()

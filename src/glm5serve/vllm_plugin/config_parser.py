@@ -1,0 +1,149 @@
+"""Config and tokenizer for vLLM from a ``glm-dsa`` GGUF alone: no config.json, no tokenizer files, no HF repo.
+
+vllm-gguf-plugin reads the HF config from a folder (``--hf-config-path``, ``--tokenizer`` or the GGUF's own folder)
+and vLLM loads the tokenizer from one. For a GLM-5 GGUF given with neither option, :func:`register`'s engine
+argument hook writes that folder from the GGUF metadata once — ``config.json`` (:func:`glm5_config`),
+``generation_config.json`` and the tokenizer files (:func:`glm5serve.tokenizer.tokenizer_from_gguf`) — into the
+glm5serve cache and points ``hf_config_path`` and ``tokenizer`` at it, so every later step (vLLM 0.25 or 0.33,
+front end or worker) sees an ordinary HF folder. The ``gguf`` config parser is also extended: handed a GLM-5 GGUF
+file itself (``--hf-config-path model.gguf``), it builds the config from the metadata.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from vllm_gguf_plugin.config_parser import GGUFConfigParser
+
+from glm5serve.config import ARCH
+
+#: bump when the files written for a GGUF change, so stale cache folders are not reused
+FORMAT_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """``$GLM5SERVE_CACHE`` or ``~/.cache/glm5serve``."""
+    return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
+
+
+@functools.lru_cache(maxsize=64)
+def _arch(path: str, size: int, mtime_ns: int) -> str | None:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path, "r").fields.get("general.architecture")
+        return None if field is None else str(field.contents())
+    except Exception:  # not a readable GGUF: not ours to handle; vLLM reports it
+        return None
+
+
+def is_glm_dsa_gguf(path) -> bool:
+    """True if ``path`` is a GGUF file (any shard 1) whose ``general.architecture`` is ``glm-dsa``."""
+    p = Path(str(path))
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return False
+    st = p.stat()
+    return _arch(str(p.resolve()), st.st_size, st.st_mtime_ns) == ARCH
+
+
+def glm5_config(model):
+    """The ``GlmMoeDsaConfig`` vLLM gets for a GLM-5 GGUF (:class:`~glm5serve.gguf_file.GGUFModel` or path).
+
+    :func:`glm5serve.config.config_from_metadata` plus ``index_topk_pattern`` (``F``/``S`` per layer) when the file
+    declares ``shared`` indexer layers (GLM-5.2): vLLM builds an indexer where the pattern says ``F`` and lets an
+    ``S`` layer reuse the previous layer's top-k, which is what transformers' ``indexer_types`` means.
+    """
+    from glm5serve.config import config_from_metadata
+    from glm5serve.gguf_file import GGUFModel
+
+    cfg = config_from_metadata(model if hasattr(model, "metadata") else GGUFModel(model))
+    types = list(getattr(cfg, "indexer_types", None) or [])
+    if "shared" in types:
+        cfg.index_topk_pattern = "".join("F" if t == "full" else "S" for t in types)
+    return cfg
+
+
+def hf_folder(gguf_path) -> Path:
+    """The HF-style folder (config, generation config, tokenizer) for a GLM-5 GGUF, written once per file version.
+
+    Keyed by the resolved path, size and mtime of shard 1 and :data:`FORMAT_VERSION`; written to a temporary folder
+    and renamed, so concurrent callers never see a half-written folder. Raises GGUFModelError for a bad GGUF.
+    """
+    from transformers import GenerationConfig
+
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.tokenizer import tokenizer_from_gguf
+
+    p = Path(str(gguf_path)).resolve()
+    st = p.stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|{FORMAT_VERSION}".encode()).hexdigest()[:16]
+    out = cache_dir() / "hf" / f"{p.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    model = GGUFModel(p)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        cfg = glm5_config(model)
+        cfg.save_pretrained(tmp)
+        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        tokenizer_from_gguf(model).save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process won the race: use its folder
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def register() -> None:
+    """Install the ``gguf`` config parser and the engine-argument hook (idempotent)."""
+    from vllm.transformers_utils.config import get_config_parser, register_config_parser
+
+    if not isinstance(get_config_parser("gguf"), GLM5ConfigParser):
+        register_config_parser("gguf")(GLM5ConfigParser)
+    _hook_engine_args()
+
+
+def _hook_engine_args() -> None:
+    """Wrap ``EngineArgs.create_model_config`` (outside the plugin's own wrap, which turns GGUF on and picks the
+    config folder from ``hf_config_path``): a GLM-5 GGUF without ``--hf-config-path``/``--tokenizer`` gets the
+    :func:`hf_folder` for both."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_model_config
+    if getattr(orig, "_glm5serve_hooked", False):
+        return
+
+    @functools.wraps(orig)
+    def create_model_config(self, *args, **kwargs):
+        if isinstance(self.model, str) and is_glm_dsa_gguf(self.model):
+            folder = None
+            if self.hf_config_path is None:
+                folder = hf_folder(self.model)
+                self.hf_config_path = str(folder)
+            if self.tokenizer is None:
+                self.tokenizer = str(folder or hf_folder(self.model))
+        return orig(self, *args, **kwargs)
+
+    create_model_config._glm5serve_hooked = True
+    EngineArgs.create_model_config = create_model_config
+
+
+class GLM5ConfigParser(GGUFConfigParser):
+    """vllm-gguf-plugin's ``gguf`` config parser, plus: a GLM-5 GGUF file yields :func:`glm5_config`."""
+
+    def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+        if is_glm_dsa_gguf(model):
+            cfg = glm5_config(model)
+            return cfg.to_dict(), cfg
+        return super().parse(model, trust_remote_code, revision=revision, code_revision=code_revision, **kwargs)

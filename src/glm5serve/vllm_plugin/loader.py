@@ -1,0 +1,50 @@
+"""The ``gguf`` model loader with a checked GLM-5 load: vllm-gguf-plugin's ``GGUFModelLoader`` for every other model.
+
+The plugin's ``load_model`` hands the adapter's stream to ``model.load_weights`` and ignores what was loaded. For a
+GLM-5 GGUF this loader builds the model the same way, then loads through
+:meth:`~glm5serve.vllm_plugin.weights.GlmDsaWeightsAdapter.load_into`, which checks before
+``process_weights_after_loading`` that every GGUF tensor and every vLLM parameter was used.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
+from vllm_gguf_plugin.loader import GGUFModelLoader
+
+from glm5serve.errors import GGUFModelError
+from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
+
+
+class GLM5GGUFModelLoader(GGUFModelLoader):
+    """``load_format="gguf"``: checked loading for ``glm_moe_dsa``, the plugin's loader otherwise."""
+
+    def load_model(self, vllm_config, model_config, prefix: str = ""):
+        if not GlmDsaWeightsAdapter.matches(model_config.hf_config):
+            return super().load_model(vllm_config, model_config, prefix)
+        _check_parallel(vllm_config, model_config)
+        adapter = self._prepare_adapter(model_config)
+        vllm_config.model_config.hf_config = model_config.hf_config
+        vllm_config.quant_config.unquantized_modules.extend(adapter.load_spec.unquantized_modules)
+        target_device = torch.device(vllm_config.device_config.device)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = initialize_model(vllm_config=vllm_config, prefix=prefix)
+            adapter.load_into(model, model_config)
+            process_weights_after_loading(model, model_config, target_device)
+        return model
+
+    def load_weights(self, model: torch.nn.Module, model_config) -> None:
+        if not GlmDsaWeightsAdapter.matches(model_config.hf_config):
+            return super().load_weights(model, model_config)
+        self._prepare_adapter(model_config).load_into(model, model_config)
+
+
+def _check_parallel(vllm_config, model_config) -> None:
+    """Pipeline and expert parallelism are not supported: experts load as whole 3-D tensors (no per-expert
+    placement) and every layer's tensors must reach this process (the completeness check)."""
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1 or getattr(pc, "enable_expert_parallel", False):
+        raise GGUFModelError("glm5serve loads GLM-5 GGUF with tensor parallelism only "
+                             "(no --pipeline-parallel-size > 1, no --enable-expert-parallel)",
+                             file=str(model_config.model_weights or model_config.model))
