@@ -24,3 +24,55 @@ def tiny_f32_checkpoint() -> Path:
     from glm5serve.cache import cached_checkpoint
 
     return cached_checkpoint("tiny", "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_checkpoint() -> Path:
+    """The tiny preset as the converter writes it with ``--outtype bf16`` (F32 norms, router and biases)."""
+    from glm5serve.cache import cached_checkpoint
+
+    return cached_checkpoint("tiny", "bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_split_checkpoint() -> Path:
+    """The embedded default model written as a 3-file split set (shard 1's path)."""
+    from glm5serve.cache import cached_checkpoint
+
+    return cached_checkpoint("tiny", "ud-q4_k_xl", split=3)
+
+
+@pytest.fixture(scope="session")
+def narrow_checkpoint() -> Path:
+    """The narrow preset (GLM-5's attention/indexer dimensions) in the ud-q4_k_xl mix; ~200 MB, built once."""
+    from glm5serve.cache import cached_checkpoint
+
+    return cached_checkpoint("narrow", "ud-q4_k_xl")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_available() -> bool:
+    """Whether llama.cpp (llama-cpp-python, the ``oracle`` extra) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run_in_subprocess(code: str, payload, timeout: float = 300):
+    """Run ``code`` in a fresh Python (llama.cpp aborts the whole process on a failed assertion, so it never runs
+    inside pytest): the code reads ``payload`` as JSON from stdin (``json.load(sys.stdin)``) and prints its JSON
+    result as the last stdout line. Raises AssertionError with the child's stderr when it fails."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(payload), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def subprocess_json():
+    """:func:`run_in_subprocess` as a fixture."""
+    return run_in_subprocess

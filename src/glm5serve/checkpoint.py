@@ -477,8 +477,7 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
         else:
             w.add_key_value(key, value, vtype)
     for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
-                     raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # byte shape for block types
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

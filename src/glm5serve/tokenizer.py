@@ -41,8 +41,8 @@ SPECIAL_ROLES = {"bos": "[gMASK]", "eos": "<|endoftext|>", "eot": "<|user|>", "e
 
 #: A compact GLM-4.5/5-style chat template (llama.cpp recognises it as chatglm4 by its ``[gMASK]<sop>`` prefix).
 CHAT_TEMPLATE = (
-    "[gMASK]<sop>{%- for message in messages -%}<|{{ message['role'] }}|>\n{{ message['content'] }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>{{ '\\n' }}{{ message['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
 )
 
 

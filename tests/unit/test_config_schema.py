@@ -1,0 +1,175 @@
+"""Config from GGUF metadata, the GGUF <-> HF name map, and the kv_b_proj split/merge."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from glm5serve import schema
+from glm5serve.checkpoint import PRESETS, gguf_metadata, preset_config
+from glm5serve.config import config_from_metadata
+from glm5serve.errors import GGUFModelError
+
+
+def _md(preset="tiny", **override):
+    md = {k: v for k, v, _ in gguf_metadata(PRESETS[preset], "test", 0)}
+    md.update(override)
+    return {k: v for k, v in md.items() if v is not None}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_config_from_metadata_gives_the_preset_dimensions(name):
+    p = PRESETS[name]
+    cfg = config_from_metadata(_md(name))
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == \
+        (p.hidden_size, p.num_attention_heads, p.q_lora_rank, p.kv_lora_rank)
+    assert (cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == \
+        (p.qk_rope_head_dim, p.qk_nope_head_dim, p.v_head_dim)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (p.index_n_heads, p.index_head_dim, p.index_topk)
+    assert cfg.num_hidden_layers == p.first_k_dense_replace + p.n_moe_layers  # block_count minus the MTP layer
+    assert cfg.num_nextn_predict_layers == p.num_nextn_predict_layers
+    assert cfg.mlp_layer_types == ["dense"] * p.first_k_dense_replace + ["sparse"] * p.n_moe_layers
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == \
+        (p.n_routed_experts, p.num_experts_per_tok, p.n_shared_experts)
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size, cfg.vocab_size) == \
+        (p.moe_intermediate_size, p.intermediate_size, p.vocab_size)
+    assert cfg.max_position_embeddings == p.max_position_embeddings
+    assert cfg.routed_scaling_factor == pytest.approx(2.5) and cfg.norm_topk_prob is True
+    assert cfg.scoring_func == "sigmoid" and cfg.topk_method == "noaux_tc"
+    assert cfg.rope_parameters["rope_theta"] == pytest.approx(1e6)
+    assert cfg.indexer_types == ["full"] * cfg.num_hidden_layers
+
+
+def test_indexer_types_booleans_become_full_and_shared():
+    cfg = config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": [True, False, True]}))
+    assert cfg.indexer_types == ["full", "shared", "full"]
+
+
+def test_missing_gating_func_means_sigmoid():
+    cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
+    assert cfg.scoring_func == "sigmoid"
+
+
+def test_missing_key_and_foreign_arch_are_one_line_errors():
+    with pytest.raises(GGUFModelError, match=r"glm-dsa\.attention\.kv_lora_rank is missing"):
+        config_from_metadata(_md(**{"glm-dsa.attention.kv_lora_rank": None}))
+    with pytest.raises(GGUFModelError, match="not a GLM-5 GGUF"):
+        config_from_metadata(_md(**{"general.architecture": "llama"}))
+
+
+# ---- schema ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    return preset_config("tiny")
+
+
+def test_gguf_to_hf_is_a_bijection_onto_the_transformers_parameters(tiny_cfg):
+    from transformers import GlmMoeDsaForCausalLM
+
+    fwd = schema.gguf_to_hf(tiny_cfg)
+    assert len(set(fwd.values())) == len(fwd), "two GGUF tensors map to the same (parameter, part)"
+    inverse = schema.hf_to_gguf(tiny_cfg)
+    assert sorted(g for gs in inverse.values() for g in gs) == sorted(fwd)
+    for h, gs in inverse.items():
+        assert all(fwd[g][0] == h for g in gs)
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(tiny_cfg)
+    # parameters and persistent buffers (e_score_correction_bias) of the real transformers model
+    assert set(inverse) == set(model.state_dict())
+    assert inverse[f"model.layers.0.self_attn.kv_b_proj.weight"] == ["blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"]
+    assert inverse["model.layers.1.mlp.experts.gate_up_proj"] == ["blk.1.ffn_gate_exps.weight",
+                                                                  "blk.1.ffn_up_exps.weight"]
+
+
+def _converter_hf_name(hf: str, part: str | None) -> str:
+    """The name llama.cpp's converter maps through gguf-py's TensorNameMap (after its own renames)."""
+    hf = hf.removesuffix(".weight").removesuffix(".bias")
+    if part in ("k_b", "v_b"):
+        return hf.replace("kv_b_proj", f"{part[0]}_b_proj")
+    if hf.endswith("experts.gate_up_proj"):
+        return hf.replace("gate_up_proj", f"{part}_proj")
+    if hf.endswith("e_score_correction_bias"):
+        return hf.replace("e_score_correction_bias", "e_score_correction")
+    return hf
+
+
+def test_schema_names_agree_with_gguf_py_tensor_map(tiny_cfg):
+    n_blocks = tiny_cfg.num_hidden_layers + tiny_cfg.num_nextn_predict_layers
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, n_blocks)
+    specs = schema.expected_tensors(tiny_cfg)
+    for s in specs:
+        mapped = tmap.get_name(_converter_hf_name(s.hf_name, s.hf_part))
+        assert mapped is not None, s.hf_name
+        suffix = "." + s.gguf_name.rsplit(".", 1)[-1]
+        assert mapped + suffix == s.gguf_name, (s.hf_name, mapped, s.gguf_name)
+    # every tensor kind gguf-py lists for glm-dsa that current converters write appears in the schema
+    kinds = {gguf.TENSOR_NAMES[t].split(".", 2)[-1] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GLM_DSA]}
+    legacy = {"attn_q", "attn_kv_b", "rope_freqs", "attn_rot_embd"}  # not written for GLM-5
+    present = {s.gguf_name.removeprefix("blk.").split(".", 1)[-1].rsplit(".", 1)[0]
+               if s.gguf_name.startswith("blk.") else s.gguf_name.rsplit(".", 1)[0] for s in specs}
+    assert kinds - legacy <= present
+
+
+def test_schema_shapes_for_the_real_glm5():
+    md = _md("narrow", **{"glm-dsa.embedding_length": 6144, "glm-dsa.attention.head_count": 64,
+                          "glm-dsa.attention.q_lora_rank": 2048, "glm-dsa.block_count": 79,
+                          "glm-dsa.leading_dense_block_count": 3, "glm-dsa.expert_count": 256,
+                          "glm-dsa.feed_forward_length": 12288, "glm-dsa.vocab_size": 154880,
+                          "tokenizer.ggml.tokens": None})
+    specs = {s.gguf_name: s for s in schema.expected_tensors(config_from_metadata(md))}
+    # glm5-gguf.md's table (numpy order)
+    assert specs["blk.5.attn_q_b.weight"].shape == (16384, 2048)
+    assert specs["blk.5.attn_kv_a_mqa.weight"].shape == (576, 6144)
+    assert specs["blk.5.attn_k_b.weight"].shape == (64, 512, 192)
+    assert specs["blk.5.attn_v_b.weight"].shape == (64, 256, 512)
+    assert specs["blk.5.attn_output.weight"].shape == (6144, 16384)
+    assert specs["blk.5.indexer.attn_q_b.weight"].shape == (4096, 2048)
+    assert specs["blk.5.ffn_gate_exps.weight"].shape == (256, 2048, 6144)
+    assert specs["blk.2.ffn_down.weight"].shape == (6144, 12288)
+    assert specs["blk.78.nextn.eh_proj.weight"].shape == (6144, 12288)
+    assert "blk.79.attn_norm.weight" not in specs
+
+
+# ---- kv_b_proj split / merge ------------------------------------------------------------------------------------
+
+def _split_by_definition(kv_b: np.ndarray, h: int, nope: int, v: int):
+    """Element-wise: k_b[i, c, j] = kv_b[i*(nope+v) + j, c] and v_b[i, r, c] = kv_b[i*(nope+v) + nope + r, c]
+    (llama.cpp convert_hf_to_gguf.py DeepseekV2Model.modify_tensors: view, split, transpose k)."""
+    kvl = kv_b.shape[1]
+    k_b = np.empty((h, kvl, nope), kv_b.dtype)
+    v_b = np.empty((h, v, kvl), kv_b.dtype)
+    for i in range(h):
+        for j in range(nope):
+            k_b[i, :, j] = kv_b[i * (nope + v) + j]
+        for r in range(v):
+            v_b[i, r] = kv_b[i * (nope + v) + nope + r]
+    return k_b, v_b
+
+
+dims = st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(1, 6), st.integers(1, 8))
+
+
+@given(dims, st.integers(0, 2**32 - 1))
+def test_split_kv_b_matches_the_converter_and_merge_inverts_it(d, seed):
+    h, nope, v, kvl = d
+    kv_b = np.random.default_rng(seed).standard_normal((h * (nope + v), kvl)).astype(np.float32)
+    k_b, v_b = schema.split_kv_b(torch.from_numpy(kv_b), h, nope, v)
+    want_k, want_v = _split_by_definition(kv_b, h, nope, v)
+    np.testing.assert_array_equal(k_b.numpy(), want_k)
+    np.testing.assert_array_equal(v_b.numpy(), want_v)
+    np.testing.assert_array_equal(schema.merge_kv_b(k_b, v_b).numpy(), kv_b)
+    k2, v2 = schema.split_kv_b(schema.merge_kv_b(torch.from_numpy(want_k), torch.from_numpy(want_v)), h, nope, v)
+    np.testing.assert_array_equal(k2.numpy(), want_k)
+    np.testing.assert_array_equal(v2.numpy(), want_v)
+
+
+@given(dims)
+def test_merge_kv_b_rejects_mismatched_parts(d):
+    h, nope, v, kvl = d
+    with pytest.raises(ValueError):
+        schema.merge_kv_b(torch.zeros(h, kvl, nope), torch.zeros(h, v, kvl + 1))
+    with pytest.raises(ValueError):
+        schema.split_kv_b(torch.zeros(h * (nope + v) + 1, kvl), h, nope, v)
