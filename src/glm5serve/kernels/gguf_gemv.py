@@ -1,0 +1,465 @@
+"""Triton GEMV for GGUF-quantized weights: y = x @ dequant(W).T for decode batches (M = 1..16).
+
+The weight stays the raw GGUF byte tensor, ``(N, row_bytes)`` uint8, as vllm-gguf-plugin stores ``qweight``;
+each program dequantizes a tile of ``BLOCK_N`` rows in registers and multiplies it with the activations.
+Block layouts follow gguf-py ``gguf/quants.py`` (``dequantize_blocks``), which is bit-exact with llama.cpp's
+``dequantize_row_*`` in ``ggml/src/ggml-quants.c``.
+
+Speed comes from three choices (a decode GEMV is bound by HBM bandwidth, and on Hopper a naive dequantizer is
+bound by its instruction count before it reaches that bandwidth):
+- Enough programs: ``BLOCK_N`` rows per program and split-K over a second grid axis (fp32 atomics) so that
+  every SM has several programs streaming weight bytes, whatever the shape.
+- Cheap decode: quant codes become floats by OR-ing them into the mantissa of 1.0 (no int->float conversion,
+  which runs at a quarter of the FMA rate): ``bits(1.0) | (u << p)`` is ``1 + u * 2**(p - 23)``, and one FMA
+  with a per-sub-block scale and offset turns it into the weight.  The per-sub-block scales are decoded once
+  per (row, sub-block) and amortised over 16-32 weights.
+- One activation load per ``BLOCK_N`` rows: x is gathered in the order the codes lie in memory.
+
+For M <= 4 the dot products run on the FMA units (elementwise accumulators, reduced once at the end); for
+larger M the dequantized tile is handed to ``tl.dot`` (tensor cores) with x padded to 16 rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# GGML type ids (gguf-py ``GGMLQuantizationType``).
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
+# (elements per block, bytes per block), as gguf-py ``GGML_QUANT_SIZES``.
+BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+SUPPORTED_QTYPES = frozenset(BLOCK_SIZES)
+_NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+# Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
+_WORD_TYPES = frozenset({Q4_K, Q5_K})
+MAX_FAST_M = 16
+
+_ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: ``block_n`` rows per program, ``kbs`` quant blocks per row and loop step,
+    ``split_k`` programs along K (partial sums meet through fp32 atomics), ``use_dot`` for tensor cores."""
+    block_n: int = 16
+    kbs: int = 2
+    split_k: int = 1
+    num_warps: int = 4
+    use_dot: bool = False
+
+
+def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
+    """(G, T) of the register tile one decode slice produces per row: G groups of T weights each."""
+    return {Q4_K: (4 * kbs, 8), Q5_K: (4 * kbs, 8), Q6_K: (2 * kbs, 16),
+            Q8_0: (kbs, 32), Q4_0: (kbs, 16), Q5_0: (kbs, 16)}[qtype]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode helpers (run inside kernels)
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _f16_lo(word):
+    """Low half of an int32 word read as fp16, returned as fp32."""
+    return (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_hi(word):
+    return (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_bytes(ptr, mask):
+    """Little-endian fp16 at a (possibly 2-byte aligned) uint8 pointer, as fp32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    return _f16_lo(lo | (hi << 8))
+
+
+@triton.jit
+def _shift(x, S: tl.constexpr):
+    """x << S for S >= 0, else x >> -S (the bits that matter are masked afterwards)."""
+    if S >= 0:
+        return x << S
+    else:
+        return x >> -S
+
+
+@triton.jit
+def _weights(bits, a, b, P: tl.constexpr):
+    """Weights a * u + b from ``bits = bits(1.0) | (u << P)``; a, b are per group ([BN, G]), bits [BN, G, T].
+
+    ``bits`` read as fp32 is v = 1 + u * 2**(P-23), so a * u + b = a' * v + (b - a') with a' = a * 2**(23-P):
+    one FMA per weight.  The code's top bit must sit at bit 22 (P = 23 - code bits): then a' is at most
+    256 a and rounding b - a' costs < 2**-15 of a, far below bf16 precision.
+    """
+    v = bits.to(tl.float32, bitcast=True)
+    a2 = a * (1 << (23 - P))
+    return v * a2[:, :, None] + (b - a2)[:, :, None]
+
+
+@triton.jit
+def _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask,
+                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc += x[:, kidx] (*) w.  w: [BN, G, T] fp32 weights; kidx/kmask: [G, T] column of each weight.
+
+    FMA path: acc is [BLOCK_M, BN, G, T] fp32 (reduced after the K loop).  Dot path: acc is [BLOCK_M, BN].
+    """
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < m_rows
+    if USE_DOT:
+        BN: tl.constexpr = w.shape[0]
+        GT: tl.constexpr = w.shape[1] * w.shape[2]
+        k2 = tl.reshape(kidx, [GT])
+        km2 = tl.reshape(kmask, [GT])
+        xs = tl.load(x_ptr + m[:, None] * stride_xm + k2[None, :], mask=mmask[:, None] & km2[None, :], other=0.0,
+                     eviction_policy="evict_last")
+        wd = tl.reshape(w, [BN, GT]).to(xs.dtype)
+        acc = tl.dot(xs, tl.trans(wd), acc)
+    else:
+        xs = tl.load(x_ptr + m[:, None, None] * stride_xm + kidx[None, :, :],
+                     mask=mmask[:, None, None] & kmask[None, :, :], other=0.0,
+                     eviction_policy="evict_last").to(tl.float32) * xscale
+        acc += w[None, :, :, :] * xs[:, None, :, :]
+    return acc
+
+
+@triton.jit
+def _kquant_scale_min(h1, h2, h3, sb):
+    """6-bit scale and min of sub-block ``sb`` (0..7) from the 12 packed bytes in words h1..h3 ([BN, G]).
+
+    llama.cpp ``get_scale_min_k4`` / gguf-py ``Q4_K.get_scale_min``.
+    """
+    sh = ((sb % 4) * 8)[None, :]
+    a1 = (h1 >> sh) & 0xFF
+    a2 = (h2 >> sh) & 0xFF
+    a3 = (h3 >> sh) & 0xFF
+    low = (sb < 4)[None, :]
+    sc = tl.where(low, a1 & 63, (a3 & 0xF) | ((a1 >> 6) << 4))
+    mn = tl.where(low, a2 & 63, (a3 >> 4) | ((a2 >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+                   FIVE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Q4_K (FIVE=False, 36 words/block) or Q5_K (FIVE=True, 44 words/block), KBS super-blocks per row.
+
+    Word layout: [d|dmin] [scales x3] ([qh x8] for Q5_K) [qs x32].  qs word 8j+t, byte b, nibble hi holds
+    element 64j + 32hi + 4t + b (sub-block 2j+hi); Q5_K's 5th bit is bit 2j+hi of qh byte 4t+b.
+    """
+    WORDS: tl.constexpr = 44 if FIVE else 36
+    QS: tl.constexpr = 12 if FIVE else 4
+    g = tl.arange(0, 4 * KBS)
+    t = tl.arange(0, 8)
+    kb = b0 + g // 4
+    j = g % 4
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :] * WORDS
+    h0 = tl.load(blk, mask=wmask, other=0)
+    h1 = tl.load(blk + 1, mask=wmask, other=0)
+    h2 = tl.load(blk + 2, mask=wmask, other=0)
+    h3 = tl.load(blk + 3, mask=wmask, other=0)
+    q = tl.load(blk[:, :, None] + QS + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
+                eviction_policy="evict_first")
+    if FIVE:
+        qh = tl.load(blk[:, :, None] + 4 + t[None, None, :], mask=wmask[:, :, None], other=0,
+                     eviction_policy="evict_first")
+        qh = qh >> (2 * j)[None, :, None]  # bit 8b + hi is now the high bit of sub-block 2j+hi, byte b
+    d = _f16_lo(h0)
+    dmin = _f16_hi(h0)
+    kmask = bmask[:, None] & (t < 8)[None, :]
+    kbase = (kb * 256 + j * 64)[:, None] + (t * 4)[None, :]
+    P: tl.constexpr = 18 if FIVE else 19  # code bits P..22
+    for hi in tl.static_range(2):
+        sc, mn = _kquant_scale_min(h1, h2, h3, 2 * j + hi)
+        a = d * sc
+        b = -(dmin * mn)
+        for byte in tl.static_range(4):
+            bits = _shift(q, P - 8 * byte - 4 * hi) & (0xF << P)
+            if FIVE:
+                bits = bits | (_shift(qh, P + 4 - 8 * byte - hi) & (0x10 << P))
+            w = _weights(bits | _ONE, a, b, P)
+            acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kbase + (32 * hi + byte), kmask,
+                              BLOCK_M, USE_DOT)
+    return acc
+
+
+@triton.jit
+def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+               KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Q6_K, 210 bytes: ql[128] qh[64] scales[16] (int8) d (fp16).  Element 128h + 32c + i (i < 32) has its low
+    nibble in ql[64h + 32(c%2) + i] (nibble c//2), its two high bits at bits 2c of qh[32h + i], and scale
+    scales[8h + 2c + i//16]; weight = d * scale * (q - 32)."""
+    g = tl.arange(0, 2 * KBS)
+    i0 = tl.arange(0, 16)
+    kb = b0 + g // 2
+    h = g % 2
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 210
+    d = _f16_bytes(blk + 208, wmask)
+    kmask = bmask[:, None] & (i0 < 16)[None, :]
+    for i1 in tl.static_range(2):
+        qh = tl.load(blk[:, :, None] + (128 + 16 * i1) + (32 * h)[None, :, None] + i0[None, None, :],
+                     mask=wmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int32)
+        for half in tl.static_range(2):
+            ql = tl.load(blk[:, :, None] + (32 * half + 16 * i1) + (64 * h)[None, :, None] + i0[None, None, :],
+                         mask=wmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int32)
+            for nib in tl.static_range(2):
+                c: tl.constexpr = 2 * nib + half
+                sc = tl.load(blk + (192 + 2 * c + i1) + (8 * h)[None, :], mask=wmask, other=0)
+                a = d * sc.to(tl.int8, bitcast=True).to(tl.float32)
+                # u = low4 | high2 << 4 placed at bit 17: v = 1 + u / 64
+                bits = ((ql << (17 - 4 * nib)) & (0xF << 17)) | ((qh << (21 - 2 * c)) & (0x3 << 21))
+                w = _weights(bits | _ONE, a, -32.0 * a, 17)
+                kidx = (kb * 256 + h * 128)[:, None] + (32 * c + 16 * i1) + i0[None, :]
+                acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+    return acc
+
+
+@triton.jit
+def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+               KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Q8_0, 34 bytes: d (fp16), qs[32] int8; weight = d * q."""
+    g = tl.arange(0, KBS)
+    i = tl.arange(0, 32)
+    kb = b0 + g
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 34
+    d = _f16_bytes(blk, wmask)
+    q = tl.load(blk[:, :, None] + 2 + i[None, None, :], mask=wmask[:, :, None], other=0,
+                eviction_policy="evict_first").to(tl.int32)
+    # u = q + 128 (flip the sign bit) at bit 15: v = 1 + u / 256, weight = d * (u - 128)
+    bits = (q << 15) ^ (_ONE | 0x400000)
+    w = _weights(bits, d, -128.0 * d, 15)
+    kidx = (kb * 32)[:, None] + i[None, :]
+    kmask = bmask[:, None] & (i < 32)[None, :]
+    return _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+
+
+@triton.jit
+def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+                FIVE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Q4_0 (18 bytes: d, qs[16]) or Q5_0 (22 bytes: d, qh u32, qs[16]).  Element 16hi + l is nibble hi of
+    qs[l] (Q5_0: plus bit 16hi+l of qh as bit 4); weight = d * (u - 8) (Q5_0: d * (u - 16))."""
+    BYTES: tl.constexpr = 22 if FIVE else 18
+    QS: tl.constexpr = 6 if FIVE else 2
+    g = tl.arange(0, KBS)
+    l = tl.arange(0, 16)
+    kb = b0 + g
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * BYTES
+    d = _f16_bytes(blk, wmask)
+    qs = tl.load(blk[:, :, None] + QS + l[None, None, :], mask=wmask[:, :, None], other=0,
+                 eviction_policy="evict_first").to(tl.int32)
+    if FIVE:
+        qh = (tl.load(blk + 2, mask=wmask, other=0).to(tl.int32)
+              | (tl.load(blk + 3, mask=wmask, other=0).to(tl.int32) << 8)
+              | (tl.load(blk + 4, mask=wmask, other=0).to(tl.int32) << 16)
+              | (tl.load(blk + 5, mask=wmask, other=0).to(tl.int32) << 24))
+    kmask = bmask[:, None] & (l < 16)[None, :]
+    P: tl.constexpr = 18 if FIVE else 19  # code bits P..22
+    for hi in tl.static_range(2):
+        bits = _shift(qs, P - 4 * hi) & (0xF << P)
+        if FIVE:
+            bits = bits | (((qh[:, :, None] >> (16 * hi + l)[None, None, :]) & 1) << (P + 4))
+            w = _weights(bits | _ONE, d, -16.0 * d, P)
+        else:
+            w = _weights(bits | _ONE, d, -8.0 * d, P)
+        kidx = (kb * 32)[:, None] + 16 * hi + l[None, :]
+        acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+    return acc
+
+
+@triton.jit
+def _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+          QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """One K step (KBS quant blocks of BLOCK_N rows) of any supported type."""
+    if QTYPE == 12:
+        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, False, KBS, BLOCK_M,
+                             USE_DOT)
+    elif QTYPE == 13:
+        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, True, KBS, BLOCK_M,
+                             USE_DOT)
+    elif QTYPE == 14:
+        acc = _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, KBS, BLOCK_M, USE_DOT)
+    elif QTYPE == 8:
+        acc = _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, KBS, BLOCK_M, USE_DOT)
+    elif QTYPE == 2:
+        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, False, KBS, BLOCK_M,
+                          USE_DOT)
+    else:
+        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, True, KBS, BLOCK_M,
+                          USE_DOT)
+    return acc
+
+
+@triton.jit
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
+              USE_DOT: tl.constexpr):
+    if USE_DOT:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N, G, T], dtype=tl.float32)
+
+
+@triton.jit
+def _reduce_acc(acc, USE_DOT: tl.constexpr):
+    if USE_DOT:
+        return acc
+    else:
+        return tl.sum(tl.sum(acc, axis=3), axis=2)
+
+
+@triton.jit
+def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, stride_xm, m_rows, xscale,
+              QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Accumulate blocks [blk_begin, blk_end) of BLOCK_N rows against BLOCK_M activation rows."""
+    for b0 in range(blk_begin, blk_end, KBS):
+        acc = _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, QTYPE, KBS, BLOCK_M, USE_DOT)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, nb, blocks_per_split,
+                 stride_xm, stride_wn, stride_ym,
+                 QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
+                 G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, ATOMIC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
+    m0 = pid_m * BLOCK_M
+    x_base = x_ptr + m0.to(tl.int64) * stride_xm
+    blk_begin = pid_k * blocks_per_split
+    blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
+    acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_base, stride_xm, M - m0, 1.0,
+                    QTYPE, KBS, BLOCK_M, USE_DOT)
+    y = _reduce_acc(acc, USE_DOT)
+    m = m0 + tl.arange(0, BLOCK_M)
+    y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
+    ymask = (m < M)[:, None] & rmask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, y, mask=ymask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 1  # CPU (Triton interpreter): few, large programs interpret fastest
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """Heuristic launch parameters for an (M, K) x (N, K)^T product; aims at >= 4 programs per SM."""
+    qk = BLOCK_SIZES[qtype][0]
+    nb = K // qk
+    use_dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
+    block_n = 32 if use_dot else 16
+    kbs = min(2 if qk == 256 else 16, _pow2_at_most(nb))
+    if use_dot:  # the dot needs >= 16 along K per slice (G*T)
+        kbs = max(kbs, 2)
+    m_tiles = triton.cdiv(M, 16 if use_dot else min(triton.next_power_of_2(M), 4))
+    programs = triton.cdiv(N, block_n) * m_tiles
+    steps = triton.cdiv(nb, kbs)
+    split = max(1, min(steps, triton.cdiv(4 * sms, programs)))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
+    return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4, use_dot=use_dot)
+
+
+def supports(qtype: int, M: int, N: int, K: int) -> bool:
+    """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= 16, K whole blocks."""
+    qtype = int(qtype)
+    return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_FAST_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim: int = 0) -> int:
+    """Validate shapes; returns K."""
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"gguf kernels: unsupported GGML type {qtype} (supported: {sorted(_NAMES.values())})")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gguf kernels: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if qweight.dtype != torch.uint8 or qweight.stride(-1) != 1:
+        raise ValueError(f"gguf kernels: qweight must be uint8 with contiguous rows, got {qweight.dtype}")
+    qk, qb = BLOCK_SIZES[qtype]
+    K = x.shape[1]
+    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[rows_dim] < N:
+        raise ValueError(f"gguf kernels: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
+                         f"K={K} (K must be a multiple of {qk}, {K // qk * qb} bytes per row)")
+    return K
+
+
+def _as_words(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_K/Q5_K are read as int32 words (16-byte vector loads); other types byte by byte."""
+    if qtype not in _WORD_TYPES:
+        return qweight
+    if qweight.storage_offset() % 4 or any(s % 4 for s in qweight.stride()[:-1]):
+        qweight = qweight.contiguous()
+    return qweight.view(torch.int32)
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x @ dequantize(qweight)[:N].T for a GGUF-quantized weight.
+
+    Args:
+        x: (M, K) bf16/fp16 (fp32 accepted) activations, any M (fast for M <= 16, see ``supports``).
+        qweight: (>= N, >= row_bytes) uint8 raw GGUF rows, ``row_bytes = K / block_elems * block_bytes``;
+            extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
+        qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+        N: output features (rows of the weight used).
+        config: launch parameters (default: ``pick_config``).
+    Returns:
+        (M, N) in x's dtype; accumulation in fp32.
+    Raises:
+        ValueError: unsupported type or inconsistent shapes.
+    Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.
+    """
+    qtype = int(qtype)
+    K = _check(x, qweight, qtype, N)
+    M = x.shape[0]
+    if M == 0 or N == 0:
+        return x.new_zeros((M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qk, _ = BLOCK_SIZES[qtype]
+    nb = K // qk
+    cfg = config or pick_config(qtype, M, N, K, _device_sms(x.device), x.dtype)
+    use_dot = cfg.use_dot and x.dtype != torch.float32
+    block_m = 16 if use_dot else min(triton.next_power_of_2(M), 4)
+    w = _as_words(qweight, qtype)
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, cfg.split_k), cfg.kbs) * cfg.kbs
+    split = triton.cdiv(nb, blocks_per_split)
+    atomic = split > 1
+    y = torch.zeros((M, N), dtype=torch.float32, device=x.device) if atomic else x.new_empty((M, N))
+    G, T = tile_shape(qtype, cfg.kbs)
+    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, block_m))
+    _gemv_kernel[grid](x, w, y, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
+                       QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
+                       USE_DOT=use_dot, ATOMIC=atomic, num_warps=cfg.num_warps)
+    return y.to(x.dtype) if atomic else y
