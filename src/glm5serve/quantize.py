@@ -231,17 +231,26 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
 
 _K_QUANTIZERS = {Q.Q4_K: _q4_k_blocks, Q.Q5_K: _q5_k_blocks, Q.Q6_K: _q6_k_blocks}
 OWN_TYPES: tuple[Q, ...] = tuple(_K_QUANTIZERS)
+# Types quantize() writes: ours plus those gguf-py quantizes that glm5serve.dequant reads back.
+GGUF_PY_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+QUANTIZE_TYPES: tuple[Q, ...] = GGUF_PY_TYPES + OWN_TYPES
 
 
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Quantize ``data`` (``float32 (..., row)``) to ``qtype``; same contract as ``gguf.quants.quantize``.
 
     Returns ``uint8 (..., row_bytes)`` for block types (``row_bytes = row / block_size * type_size``), ``float32``
-    / ``float16`` arrays for F32 / F16. Q4_K/Q5_K/Q6_K use llama.cpp's reference algorithm (this module);
-    other types use gguf-py. Raises GGUFModelError when the row is not a whole number of blocks, the values are
-    not all finite, or neither this module nor gguf-py can quantize ``qtype``.
+    / ``float16`` arrays for F32 / F16. Q4_K/Q5_K/Q6_K use llama.cpp's reference algorithm (this module); the
+    other :data:`QUANTIZE_TYPES` use gguf-py. Raises GGUFModelError naming the type when it is not in
+    ``QUANTIZE_TYPES``, when the row is not a whole number of blocks, or when a value is NaN/inf.
     """
-    qtype = Q(int(qtype))
+    try:
+        qtype = Q(int(qtype))
+    except ValueError:
+        qtype = None
+    if qtype not in QUANTIZE_TYPES:
+        raise GGUFModelError(f"quantization to {qtype.name if qtype is not None else 'an unknown ggml type'} is not "
+                             f"supported (supported: {', '.join(t.name for t in QUANTIZE_TYPES)})")
     x = np.asarray(data)
     if x.dtype != np.float32:
         x = x.astype(np.float32)
@@ -253,15 +262,11 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
                              f"not a whole number of {block_size}-value blocks")
     if not np.isfinite(x).all():
         raise GGUFModelError(f"cannot quantize non-finite values (NaN/inf) to {qtype.name}")
-    out_shape = (*x.shape[:-1], x.shape[-1] // block_size * type_size)
     fn = _K_QUANTIZERS.get(qtype)
     if fn is None:
-        try:
-            return gguf_quants.quantize(x, qtype)
-        except NotImplementedError:
-            raise GGUFModelError(f"quantization to {qtype.name} is not supported") from None
+        return gguf_quants.quantize(x, qtype)
     blocks = x.reshape(-1, block_size)
     out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # chunks of whole blocks, each fully vectorised
         out[start:start + CHUNK_BLOCKS] = fn(blocks[start:start + CHUNK_BLOCKS])
-    return out.reshape(out_shape)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // block_size * type_size)
