@@ -161,7 +161,7 @@ class ReferenceModel:
         Every tensor of the main model is checked against :func:`glm5serve.schema.expected_tensors` (presence,
         shape, quant type), dequantized to fp32, re-fused into the HF parameter (``attn_k_b``+``attn_v_b`` →
         ``kv_b_proj`` by :func:`~glm5serve.schema.merge_kv_b`, ``ffn_gate_exps``+``ffn_up_exps`` →
-        ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights stay fp32).
+        ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights at least fp32).
         The MTP block is checked likewise and then ignored, as llama.cpp's glm-dsa graph does. ``options`` go to
         the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input.
         """
@@ -194,7 +194,8 @@ class ReferenceModel:
                 w = merge_gate_up(*ts)
             else:
                 (w,) = ts
-            weights[hf_name] = w.to(device=device, dtype=torch.float32 if hf_name.endswith(FP32_SUFFIXES) else dtype)
+            keep32 = hf_name.endswith(FP32_SUFFIXES)
+            weights[hf_name] = w.to(device=device, dtype=torch.promote_types(dtype, torch.float32) if keep32 else dtype)
             del ts, w
         return cls(cfg, weights, **options)
 

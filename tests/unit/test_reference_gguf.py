@@ -1,0 +1,145 @@
+"""The reference engine on the tiny GGUF checkpoint (ud-q4_k_xl mix) against transformers' GlmMoeDsaForCausalLM
+holding the same dequantized weights, plus loading checks and fp64 metamorphic checks on the real layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGUFReader, GGUFWriter
+
+from glm5serve.errors import GGUFModelError
+from glm5serve.reference import ReferenceModel
+from glm5serve.testing.compare import first_divergence, hf_hidden_states, hf_model, rel_err
+from glm5serve.tokenizer import tokenizer_from_gguf
+
+SHORT = ["Hello", "The cat", "1 2 3"]  # at most index_topk (8) tokens: dense in effect
+LONG = ["The capital of France is", "Once upon a time, in a land far away, there lived a curious fox who",
+        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return ReferenceModel.from_gguf(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def twin(tiny):
+    return hf_model(tiny.cfg, tiny.w)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return tokenizer_from_gguf(tiny_checkpoint)
+
+
+def test_prompt_lengths_straddle_index_topk(tiny, tok):
+    topk = tiny.cfg.index_topk
+    assert all(len(tok.encode(p)) <= topk for p in SHORT)
+    assert all(len(tok.encode(p)) > topk for p in LONG)
+
+
+@pytest.mark.parametrize("text", SHORT + LONG)
+def test_logits_match_transformers(tiny, twin, tok, text):
+    ids = tok.encode(text)
+    expected, _ = hf_hidden_states(twin, ids)
+    for mla in ("expanded", "absorbed"):
+        tiny.mla = mla
+        try:
+            assert rel_err(tiny.forward(ids), expected) <= 1e-5, mla
+        finally:
+            tiny.mla = "expanded"
+
+
+@pytest.mark.parametrize("text", LONG)
+def test_hidden_states_match_transformers_layer_by_layer(tiny, twin, tok, text):
+    ids = tok.encode(text)
+    _, expected = hf_hidden_states(twin, ids)
+    _, hidden = tiny.forward(ids, capture=True)
+    bad = first_divergence(hidden, expected, 1e-5)
+    assert bad is None, f"first diverging: {'embeddings' if bad[0] == 0 else f'layer {bad[0] - 1}'} " \
+                        f"(rel err {bad[1]:.2e})"
+
+
+def test_greedy_generation_matches_transformers(tiny, twin, tok):
+    for text in SHORT[:2] + LONG[:2]:
+        ids = tok.encode(text)
+        expected = twin.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        assert tiny.generate(ids, 32) == expected, text
+
+
+def test_sparse_selection_changes_long_prompts(tiny, tok):
+    ids = tok.encode(LONG[1])
+    sparse = tiny.forward(ids)
+    tiny.sparse = False
+    try:
+        dense = tiny.forward(ids)
+    finally:
+        tiny.sparse = True
+    assert rel_err(sparse, dense) > 1e-2
+
+
+# ---------------------------------------------------------------- loading
+def test_mtp_block_is_checked_but_not_loaded(tiny):
+    n = tiny.cfg.num_hidden_layers
+    assert tiny.cfg.num_nextn_predict_layers == 1
+    assert not any(k.startswith(f"model.layers.{n}.") for k in tiny.w)
+    assert any(k.startswith(f"model.layers.{n - 1}.") for k in tiny.w)
+
+
+def test_bf16_load_is_close_to_fp32(tiny_checkpoint, tiny, tok):
+    bf16 = ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.bfloat16)
+    assert bf16.w["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert bf16.w["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # router stays fp32
+    ids = tok.encode(SHORT[1])
+    logits = bf16.forward(ids)
+    assert logits.dtype == torch.float32
+    assert rel_err(logits, tiny.forward(ids)) < 5e-2
+
+
+def _copy_without(src, dst, drop: str):
+    """Rewrite GGUF ``src`` to ``dst`` with tensor ``drop`` left out (metadata and other tensors as they are)."""
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch=str(r.fields["general.architecture"].contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        if t.name != drop:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # quantized data: (rows, row_bytes) uint8
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("drop", ["blk.1.attn_k_b.weight", "blk.3.nextn.eh_proj.weight"])
+def test_missing_tensor_is_one_line_error(tiny_checkpoint, tmp_path, drop):
+    bad = tmp_path / "bad.gguf"
+    _copy_without(tiny_checkpoint, bad, drop)
+    with pytest.raises(GGUFModelError) as e:
+        ReferenceModel.from_gguf(bad)
+    assert str(e.value) == f"{bad}: {drop}: required tensor is missing"
+
+
+# ---------------------------------------------------------------- metamorphic, fp64 (see test_reference.py)
+@pytest.fixture(scope="module")
+def tiny64(tiny_checkpoint):
+    return ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.float64)
+
+
+def test_fp64_metamorphic_relations_on_checkpoint(tiny64, tok):
+    ids = tok.encode(LONG[1])[:20]
+    full = tiny64.forward(ids)
+    tiny64.mla = "absorbed"
+    absorbed = tiny64.forward(ids)
+    cache = tiny64.new_cache()
+    steps = torch.cat([tiny64.forward(ids[:5], cache)] + [tiny64.forward([t], cache) for t in ids[5:]])
+    tiny64.mla = "expanded"
+    assert rel_err(absorbed, full) <= 1e-12
+    assert rel_err(steps, full) <= 1e-12
+    short = ids[: tiny64.index_topk]
+    tiny64.sparse = False
+    dense = tiny64.forward(short)
+    tiny64.sparse = True
+    assert torch.equal(tiny64.forward(short), dense)
