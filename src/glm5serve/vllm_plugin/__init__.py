@@ -2,8 +2,8 @@
 
 The ``vllm.general_plugins`` entry point ``glm5serve`` runs :func:`register` in every vLLM process. Modules:
 ``config_parser`` (config and tokenizer from GGUF metadata), ``weights`` (the GLM-DSA weights adapter),
-``loader`` (checked loading), ``fixes`` (every vllm-gguf-plugin fault fix), ``tp`` (which TP sizes a file
-allows; no vLLM import), ``cpu`` (vLLM's GLM-5 model on a CPU, for tests), ``serve`` (``glm5serve serve``).
+``loader`` (checked loading), ``fixes`` (every vllm-gguf-plugin fault fix), ``cpu`` (vLLM's GLM-5 model on a
+CPU, for tests), ``serve`` (``glm5serve serve``).
 Importing this package does not import vLLM.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ Faults fixed outside this module, because the fix is the GLM-5 adapter's own job
 ``glm_moe_dsa`` not mapped and ``kv_b_proj`` never loaded (``weights.GlmDsaWeightsAdapter``); an unquantized
 ``token_embd`` sent to a module the plugin built for GGUF (``weights.GlmDsaWeightsAdapter.weights_for`` reads the
 storage from the model's parameters); row-parallel and expert ``down`` weights sliced by bytes across a quant
-block at TP > 1 (``tp.tp_problems``, checked at load and by ``verify --tp``). Fused-shard order
+block at TP > 1 (``weights.check_file`` refuses at load what ``glm5serve verify --tp`` refuses). Fused-shard order
 (``fused_qkv_a_proj`` with ``attn_kv_a_mqa`` stored first, different quant types; vllm#35019/#41057) is already
 right in 0.0.5 (``_gguf_ordered_shard_ids``); ``tests/unit/test_vllm_faults.py`` keeps it that way.
 """

@@ -112,17 +112,13 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
     def prepare_loading(self, model_path: str, model_config, tp_size: int | None = None) -> GGUFLoadSpec:
         """Open the GGUF (any shard of a split set), check it against the config and TP size, plan the load.
 
-        Raises GGUFModelError for a missing, unknown or misshapen tensor, a type the tensor may not have, routed
-        ``gate``/``up`` experts of different types (the plugin runs one kernel type for ``w13``), or a TP size
-        that vLLM cannot split the file at (:func:`glm5serve.vllm_plugin.tp.tp_problems`).
+        Raises GGUFModelError for anything :func:`check_file` refuses (what ``glm5serve verify --tp`` refuses,
+        e.g. a TP size that would cut a quant block of a row-parallel weight) and for routed ``gate``/``up``
+        experts of different types (the plugin runs the fused ``w13`` experts with one kernel type).
         """
-        from glm5serve.vllm_plugin.tp import check_tp
-
         cfg = model_config.hf_config
-        self.gguf = GGUFModel(model_path)
+        self.gguf = check_file(model_path, cfg, _tp_size() if tp_size is None else tp_size)
         self.dtype = model_config.dtype
-        _check_inventory(self.gguf, cfg)
-        check_tp(self.gguf, cfg, _tp_size() if tp_size is None else tp_size)
         self.plan = _plan(self.gguf, cfg)
         unquantized = _unquantized_modules(self.plan, self.gguf)
         self.load_spec = GGUFLoadSpec(
@@ -250,26 +246,35 @@ def _names(names: list[str], limit: int = 20) -> str:
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _check_inventory(gguf: GGUFModel, cfg) -> None:
-    """Every required tensor present with its schema shape and an allowed type; no tensor the schema lacks."""
-    specs = {s.gguf_name: s for s in expected_tensors(cfg)}
-    path = str(gguf.path)
-    unknown = [n for n in gguf.tensors if n not in specs]
-    if unknown:
-        raise GGUFModelError(f"{len(unknown)} tensor(s) that a GLM-5 with this config does not have: "
-                             f"{_names(unknown)}", file=path)
-    for spec in specs.values():
-        if spec.gguf_name not in gguf:
-            if spec.required:
-                raise GGUFModelError("required tensor is missing", file=path, tensor=spec.gguf_name)
-            continue
-        info = gguf[spec.gguf_name]
-        if info.shape != spec.shape:
-            raise GGUFModelError(f"shape {list(info.shape)}, expected {list(spec.shape)} for this config",
-                                 file=info.file, tensor=info.name)
-        reason = spec.check_type(info.qtype)
-        if reason:
-            raise GGUFModelError(reason, file=info.file, tensor=info.name)
+#: config fields that fix the shape of some tensor: a folder config must agree with the GGUF metadata on them
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                "index_head_dim", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+                "intermediate_size", "first_k_dense_replace")
+
+
+def check_file(path, cfg, tp: int) -> GGUFModel:
+    """Refuse what ``glm5serve verify --tp`` refuses, with the same message, and a config that disagrees with
+    the file; returns the opened model.
+
+    Runs verify's open, metadata, tensors, types and TP checks (:mod:`glm5serve.verify`: presence, shapes, unknown
+    tensors, allowed types, heads/intermediate sizes/row-parallel quant blocks divisible by ``tp``), then compares
+    ``cfg`` (the config vLLM builds the model from) with the metadata on :data:`SHAPE_FIELDS`.
+    """
+    from glm5serve import verify
+
+    ctx = verify.Context(str(path), tp)
+    for check in (verify.check_open, verify.check_metadata, verify.check_tensors, verify.check_types,
+                  verify.check_tp):
+        for result in check(ctx):
+            if not result.ok:
+                raise GGUFModelError(result.detail)
+    wrong = [f"{f}={getattr(cfg, f, None)} (GGUF: {getattr(ctx.cfg, f)})" for f in SHAPE_FIELDS
+             if getattr(cfg, f, None) != getattr(ctx.cfg, f)]
+    if wrong:
+        raise GGUFModelError(f"the model config disagrees with the GGUF metadata: {', '.join(wrong)}",
+                             file=str(ctx.model.path))
+    return ctx.model
 
 
 def _plan(gguf: GGUFModel, cfg) -> list[Load]:
