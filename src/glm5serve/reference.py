@@ -325,7 +325,8 @@ class ReferenceModel:
     # ------------------------------------------------------------------ model
     @torch.inference_mode()
     def forward(self, input_ids, cache: KVCache | None = None, *, capture: bool = False):
-        """Logits (T, vocab) fp32 (fp64 for fp64 weights) for every position of ``input_ids`` (LongTensor or ints, shape (T,)).
+        """Logits (T, vocab) fp32 (fp64 for fp64 weights) for every position of ``input_ids`` (LongTensor or
+        ints, shape (T,)).
 
         With a ``cache``, the tokens continue the cached sequence (positions start at ``cache.length``) and the
         cache is extended. With ``capture=True`` returns ``(logits, hidden)``, ``hidden`` a list of

@@ -44,7 +44,8 @@ def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
-            out[name] = (1.0 if "norm.weight" in name or "layernorm" in name else 0.0) + 0.2 * torch.randn(shape, generator=g)
+            mean = 1.0 if "norm.weight" in name or "layernorm" in name else 0.0
+            out[name] = mean + 0.2 * torch.randn(shape, generator=g)
         else:
             out[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
     return out
@@ -158,7 +159,8 @@ def test_rope_is_complex_rotation_of_adjacent_pairs():
     cos, sin = rope_cos_sin(pos, d, theta)
     got = apply_rope_interleaved(x, cos.double(), sin.double())
     angle = pos[:, None].double() * theta ** (-torch.arange(0, d, 2).double() / d)
-    z = torch.view_as_complex(x.reshape(T, 3, d // 2, 2).contiguous()) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    rotation = torch.polar(torch.ones_like(angle), angle)[:, None]  # (T, 1, d/2)
+    z = torch.view_as_complex(x.reshape(T, 3, d // 2, 2).contiguous()) * rotation
     # angles are fp32 (as transformers computes them): ~1e-5 absolute at positions ~100
     assert torch.allclose(got, torch.view_as_real(z).reshape(T, 3, d), atol=1e-4)
     assert not torch.allclose(got, x, atol=1e-2)

@@ -1,0 +1,84 @@
+"""``glm5serve generate [MODEL] --prompt TEXT --max-tokens N [--logprobs K]``: text from a GLM-5 GGUF with the
+reference engine (:mod:`glm5serve.reference`) on the CPU, tokenized with the GGUF's own tokenizer.
+
+With no MODEL the embedded default checkpoint (:func:`glm5serve.cache.default_checkpoint`) is built once and used.
+The prompt is echoed, then the continuation streams token by token; generation stops at ``--max-tokens`` or at an
+end-of-generation token. ``--logprobs K`` then prints one line per new token:
+``[n] ID 'TOKEN' LOGPROB | top-K: ID 'TOKEN' LOGPROB, ...`` (natural log, fp32 logits before any temperature;
+TOKEN is the vocabulary string, byte-level BPE spelling).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_parser(subparsers) -> None:
+    """Register ``generate`` with the ``glm5serve`` argparse sub-commands."""
+    p = subparsers.add_parser("generate", help="generate text with the reference engine (CPU)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="GGUF file or shard 1 of a split set (default: the embedded checkpoint)")
+    p.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
+    p.add_argument("--max-tokens", type=int, default=32, help="most new tokens (default 32)")
+    p.add_argument("--logprobs", type=int, default=0, metavar="K",
+                   help="after the text, list each new token's logprob and the top-K alternatives")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
+    p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded", help="MLA form (same result)")
+    p.add_argument("--qa-kv-norm-eps", default="1e-6",
+                   help='q_a/kv_a RMSNorm eps: 1e-6 (transformers, default) or "rms_norm_eps" (llama.cpp, vLLM)')
+    p.set_defaults(func=run)
+
+
+def _eps(value: str) -> float | str:
+    return value if value == "rms_norm_eps" else float(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5serve.reference import ReferenceModel
+    from glm5serve.tokenizer import tokenizer_from_gguf
+
+    if args.max_tokens < 1 or args.logprobs < 0:
+        print("glm5serve generate: --max-tokens must be >= 1 and --logprobs >= 0", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from glm5serve.cache import default_checkpoint
+
+        args.model = str(default_checkpoint())
+    tok = tokenizer_from_gguf(args.model)
+    model = ReferenceModel.from_gguf(args.model, dtype=DTYPES[args.dtype], mla=args.mla,
+                                     qa_kv_norm_eps=_eps(args.qa_kv_norm_eps))
+    prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        print("glm5serve generate: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    stop = {i for i in (tok.eos_token_id, model.cfg.eos_token_id) if i is not None}
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    ids: list[int] = []
+    steps: list[tuple[int, torch.Tensor]] = []
+    shown = ""
+    for t, logprobs in model.stream(prompt_ids, args.max_tokens, greedy=args.temperature <= 0,
+                                    temperature=max(args.temperature, 1e-6), seed=args.seed, stop_ids=stop):
+        ids.append(t)
+        if args.logprobs:
+            steps.append((t, logprobs))
+        text = tok.decode(ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
+    out.write("\n")
+    for n, (t, logprobs) in enumerate(steps):  # tokens as vocabulary strings: byte tokens stay readable
+        top = torch.topk(logprobs, args.logprobs)
+        alts = ", ".join(f"{int(i)} {tok.convert_ids_to_tokens(int(i))!r} {float(v):.4f}"
+                         for v, i in zip(top.values, top.indices))
+        chosen = f"{t} {tok.convert_ids_to_tokens(t)!r} {float(logprobs[t]):.4f}"
+        out.write(f"[{n}] {chosen} | top-{args.logprobs}: {alts}\n")
+    return 0
