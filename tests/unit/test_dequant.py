@@ -12,7 +12,7 @@ from glm5serve.dequant import SUPPORTED_TYPES, dequantize, dequantize_tensor
 from glm5serve.errors import GGUFModelError
 from glm5serve.gguf_file import GGUFModel
 from glm5serve.testing import assert_bitwise_equal
-from glm5serve.testing.assets import AssetUnavailable, gemma3_270m_q4_k_m
+from glm5serve.testing.assets import AssetUnavailable
 from glm5serve.testing.strategies import FP16_FIELDS, SPECIAL_F16
 
 BLOCK_TYPES = [t for t in SUPPORTED_TYPES if t not in (Q.F32, Q.F16, Q.BF16)]
@@ -159,14 +159,6 @@ def test_dequantize_tensor_from_file(tmp_path):
         dequantize_tensor(model["d.weight"])
     msg = str(e.value)
     assert str(path) in msg and "d.weight" in msg and "IQ2_XXS" in msg
-
-
-@pytest.fixture(scope="session")
-def gemma3_gguf():
-    try:
-        return gemma3_270m_q4_k_m()
-    except AssetUnavailable as e:
-        pytest.skip(f"real Gemma-3 Q4_K_M GGUF unavailable: {e}")
 
 
 @pytest.mark.slow
