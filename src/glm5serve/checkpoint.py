@@ -15,7 +15,6 @@ almost never all zero (no top-k ties).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -23,7 +22,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -192,8 +191,9 @@ def _wanted(s: schema.TensorSpec, mtp_shared_tensors: bool) -> bool:
     return s.required or (mtp_shared_tensors and ".nextn." in s.gguf_name)
 
 
-def hf_state_dict(cfg, seed: int = 0, mtp_shared_tensors: bool = False) -> dict[str, torch.Tensor]:
-    """Deterministic fp32 weights under their transformers names, for every tensor of ``schema.expected_tensors``.
+class HFWeights(Mapping[str, torch.Tensor]):
+    """Deterministic fp32 weights under their transformers names, for every tensor of ``schema.expected_tensors``,
+    drawn on access (the last one kept), so a large checkpoint is written without holding all its fp32 weights.
 
     Main-model names load into ``GlmMoeDsaForCausalLM(cfg)`` (``model.layers.{n}.*`` for the MTP layers too, as in
     GLM-5's safetensors). ``kv_b_proj`` is (H*(nope+v), kv_lora); experts are transformers-5 fused
@@ -201,30 +201,48 @@ def hf_state_dict(cfg, seed: int = 0, mtp_shared_tensors: bool = False) -> dict[
     matrices ~ N(0, gain^2/fan_in), embeddings ~ N(0, 1). Optional MTP tensors (``embed_tokens``,
     ``shared_head.head``) only with ``mtp_shared_tensors``.
     """
-    nh, nope, vd, kvl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    E, mI, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, torch.Tensor] = {}
-    for s in schema.expected_tensors(cfg):
-        n = s.hf_name
-        if n in out or not _wanted(s, mtp_shared_tensors):
-            continue
-        if s.hf_part in ("k_b", "v_b"):
-            shape = (nh * (nope + vd), kvl)
-        elif s.hf_part in ("gate", "up"):
-            shape = (E, 2 * mI, H)
-        else:
-            shape = s.shape
+
+    def __init__(self, cfg, seed: int = 0, mtp_shared_tensors: bool = False):
+        nh, nope, vd, kvl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        E, mI, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.seed, self.shapes, self._last = seed, {}, (None, None)
+        for s in schema.expected_tensors(cfg):
+            if s.hf_name in self.shapes or not _wanted(s, mtp_shared_tensors):
+                continue
+            if s.hf_part in ("k_b", "v_b"):
+                self.shapes[s.hf_name] = (nh * (nope + vd), kvl)
+            elif s.hf_part in ("gate", "up"):
+                self.shapes[s.hf_name] = (E, 2 * mI, H)
+            else:
+                self.shapes[s.hf_name] = s.shape
+
+    def __getitem__(self, n: str) -> torch.Tensor:
+        if self._last[0] == n:
+            return self._last[1]
+        shape = self.shapes[n]
         if len(shape) == 1:
             bias = n.endswith(".bias") or n.endswith("e_score_correction_bias")
-            out[n] = _normal(seed, n, shape, 0.1, 0.0 if bias else 1.0)
+            w = _normal(self.seed, n, shape, 0.1, 0.0 if bias else 1.0)
         elif "embed_tokens" in n:
-            out[n] = _normal(seed, n, shape, 1.0)
+            w = _normal(self.seed, n, shape, 1.0)
         else:
-            out[n] = _normal(seed, n, shape, _gain(n) / math.sqrt(shape[-1]))
-    return out
+            w = _normal(self.seed, n, shape, _gain(n) / math.sqrt(shape[-1]))
+        self._last = (n, w)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
-def gguf_tensors(cfg, state: dict[str, torch.Tensor]) -> Iterator[tuple[schema.TensorSpec, np.ndarray]]:
+def hf_state_dict(cfg, seed: int = 0, mtp_shared_tensors: bool = False) -> dict[str, torch.Tensor]:
+    """All of :class:`HFWeights` as a dict (e.g. for ``GlmMoeDsaForCausalLM.load_state_dict``)."""
+    return dict(HFWeights(cfg, seed, mtp_shared_tensors))
+
+
+def gguf_tensors(cfg, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[schema.TensorSpec, np.ndarray]]:
     """The converter's output tensors as fp32 numpy arrays (GGUF numpy shape), in the converter's order.
 
     Order: the HF checkpoint names (per-expert ``experts.{e}.{gate,up,down}_proj``, unfused) sorted as safetensors
@@ -273,9 +291,9 @@ def _fits(s: schema.TensorSpec, qtype: Q, max_tp: int) -> bool:
     return s.shape[-1] % block == 0 and row % block == 0
 
 
-def ud_q4_k_xl_type(s: schema.TensorSpec, n_layers: int, first_moe: int, max_tp: int) -> Q:
+def ud_q4_k_xl_type(s: schema.TensorSpec, first_moe: int, max_tp: int) -> Q:
     """UD-Q4_K_XL-like type for one tensor (glm5-gguf.md): routed experts Q4_K (the first MoE block's
-    ``ffn_down_exps`` Q6_K, the second's Q5_K), attention and shared expert Q5_K-Q8_0, ``attn_k_b`` Q8_0,
+    ``ffn_down_exps`` Q5_K), attention and shared expert Q5_K-Q8_0, ``attn_k_b`` Q8_0,
     ``token_embd`` Q4_K, ``output`` Q6_K, F32 by the converter's rule. A K-type whose 256-blocks do not fit the
     row (or a row-parallel shard at ``max_tp``) falls back as llama.cpp does (Q6_K->Q8_0, Q5_K->Q5_1, Q4_K->Q5_0)."""
     n = s.gguf_name
@@ -290,7 +308,7 @@ def ud_q4_k_xl_type(s: schema.TensorSpec, n_layers: int, first_moe: int, max_tp:
         "ffn_gate.weight": Q.Q5_K, "ffn_up.weight": Q.Q5_K, "ffn_down.weight": Q.Q6_K,
         "ffn_gate_shexp.weight": Q.Q5_K, "ffn_up_shexp.weight": Q.Q5_K, "ffn_down_shexp.weight": Q.Q6_K,
         "ffn_gate_exps.weight": Q.Q4_K, "ffn_up_exps.weight": Q.Q4_K,
-        "ffn_down_exps.weight": {first_moe: Q.Q6_K, first_moe + 1: Q.Q5_K}.get(s.block, Q.Q4_K),
+        "ffn_down_exps.weight": Q.Q5_K if s.block == first_moe else Q.Q4_K,
         "nextn.eh_proj.weight": Q.Q6_K, "nextn.embed_tokens.weight": Q.Q4_K,
         "nextn.shared_head_head.weight": Q.Q6_K,
     }
@@ -309,8 +327,7 @@ def tensor_type(s: schema.TensorSpec, mix: str, preset: Preset) -> Q:
     if mix in ("bf16", "llama-q4_k_m"):
         return Q.F32 if _is_f32_by_rule(s) else Q.BF16
     if mix == "ud-q4_k_xl":
-        n_layers = preset.first_k_dense_replace + preset.n_moe_layers
-        return ud_q4_k_xl_type(s, n_layers, preset.first_k_dense_replace, preset.max_tp)
+        return ud_q4_k_xl_type(s, preset.first_k_dense_replace, preset.max_tp)
     raise ValueError(f"unknown mix {mix!r} (expected one of {', '.join(MIXES)})")
 
 
@@ -318,41 +335,14 @@ _FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "bf16": LlamaFileType.MOSTLY_BF16,
                "llama-q4_k_m": LlamaFileType.MOSTLY_BF16, "ud-q4_k_xl": LlamaFileType.MOSTLY_Q4_K_M}
 
 
-def _ggml_quantize(a: np.ndarray, qtype: Q) -> np.ndarray:
-    """llama.cpp's own ``ggml_quantize_chunk`` (no importance matrix: the ``quantize_row_*_ref`` algorithms), through
-    llama-cpp-python's bundled libggml-base; same contract as ``gguf.quants.quantize``."""
-    import ctypes
-    from pathlib import Path as _P
-
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(_P(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = lib.ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    src = np.ascontiguousarray(a, dtype=np.float32)
-    row = src.shape[-1]
-    out = np.empty((*src.shape[:-1], row // block * type_size), dtype=np.uint8)
-    fn(int(qtype), src.ctypes.data, out.ctypes.data, 0, src.size // row, row, None)
-    return out
-
-
 def quantizer() -> Callable[[np.ndarray, Q], np.ndarray]:
-    """The quantizer in use: ``glm5serve.quantize.quantize`` when present; until then llama.cpp's (when the
-    ``oracle`` extra is installed) for the K-quants gguf-py lacks, else gguf-py's (no K-quants)."""
+    """The quantizer in use: ``glm5serve.quantize.quantize`` (K-quants from llama.cpp's reference algorithm),
+    else gguf-py's (no K-quants)."""
     try:
         from glm5serve.quantize import quantize
-        return quantize
     except ImportError:
-        from gguf.quants import quantize as gguf_quantize
-
-    def fallback(a: np.ndarray, qtype: Q) -> np.ndarray:
-        if GGML_QUANT_SIZES[qtype][0] == 256 and importlib.util.find_spec("llama_cpp") is not None:
-            return _ggml_quantize(a, qtype)
-        return gguf_quantize(a, qtype)
-    return fallback
+        from gguf.quants import quantize
+    return quantize
 
 
 def encode(a: np.ndarray, qtype: Q) -> np.ndarray:
@@ -398,7 +388,7 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
         return _llama_quantized(Path(out_dir), preset, split, seed, indexer_types, mtp_shared_tensors, progress)
     p = PRESETS[preset]
     cfg = preset_config(p, indexer_types)
-    state = hf_state_dict(cfg, seed, mtp_shared_tensors)
+    state = HFWeights(cfg, seed, mtp_shared_tensors)
     n_tensors = sum(1 for s in schema.expected_tensors(cfg) if _wanted(s, mtp_shared_tensors))
     per_file = math.ceil(n_tensors / split) if split > 1 else 0
     if split < 1 or (split > 1 and math.ceil(n_tensors / per_file) != split):

@@ -1,0 +1,327 @@
+"""Synthetic checkpoints: determinism, converter layout (metadata, tensor inventory and order, F32 rules, kv_b
+split), the quant mixes, split sets, logit margins / indexer ties, and llama.cpp accepting (and agreeing with) them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader
+from torch.overrides import TorchFunctionMode
+
+from glm5serve import schema
+from glm5serve._corpus import TEXT
+from glm5serve.checkpoint import PRESETS, hf_state_dict, make_checkpoint, preset_config
+from glm5serve.config import config_from_metadata
+from glm5serve.dequant import dequantize_tensor
+from glm5serve.gguf_file import GGUFModel
+from glm5serve.tokenizer import tokenizer_from_gguf
+from glm5serve.verify import verify
+
+TINY = PRESETS["tiny"]
+
+
+def test_same_arguments_give_the_same_bytes(tmp_path):
+    a = make_checkpoint(tmp_path / "a", "tiny", "f32")
+    b = make_checkpoint(tmp_path / "b", "tiny", "f32")
+    c = make_checkpoint(tmp_path / "c", "tiny", "f32", seed=1)
+    assert a.read_bytes() == b.read_bytes()
+    assert c.name == "glm5-tiny-f32-s1.gguf" and c.read_bytes() != a.read_bytes()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_checkpoint(tmp_path, "huge")
+    with pytest.raises(ValueError, match="unknown mix"):
+        make_checkpoint(tmp_path, "tiny", "q2_k")
+    with pytest.raises(ValueError, match="cannot split"):
+        make_checkpoint(tmp_path, "tiny", "bf16", split=0)
+
+
+def test_metadata_is_what_the_converter_writes(tiny_bf16_checkpoint):
+    r = GGUFReader(tiny_bf16_checkpoint)
+    md = {k: f.contents() for k, f in r.fields.items()}
+    keys = [k for k in r.fields if not k.startswith("GGUF.")]
+    assert keys[0] == "general.architecture" and md["general.architecture"] == "glm-dsa"
+    p, a = TINY, "glm-dsa."
+    want = {  # glm5-gguf.md "Metadata keys written", values from the preset
+        "block_count": 4, "context_length": 512, "embedding_length": 256, "feed_forward_length": 512,
+        "vocab_size": 512, "leading_dense_block_count": 1, "attention.head_count": 4, "attention.head_count_kv": 1,
+        "attention.q_lora_rank": 256, "attention.kv_lora_rank": 128, "attention.key_length": 128 + 32,
+        "attention.value_length": 128, "attention.key_length_mla": 64 + 32, "attention.value_length_mla": 64,
+        "rope.dimension_count": 32, "expert_count": 16, "expert_used_count": 2, "expert_shared_count": 1,
+        "expert_feed_forward_length": 256, "expert_weights_norm": True, "expert_gating_func": 2,
+        "expert_group_count": 1, "expert_group_used_count": 1, "nextn_predict_layers": 1,
+        "attention.indexer.head_count": p.index_n_heads, "attention.indexer.key_length": 64,
+        "attention.indexer.top_k": 8}
+    assert {k: md[a + k] for k in want} == want
+    assert md[a + "expert_weights_scale"] == pytest.approx(2.5)
+    assert md[a + "rope.freq_base"] == pytest.approx(1e6)
+    assert md[a + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "glm4"
+    assert len(md["tokenizer.ggml.tokens"]) == len(md["tokenizer.ggml.token_type"]) == 512
+    tokens = md["tokenizer.ggml.tokens"]
+    assert tokens[md["tokenizer.ggml.bos_token_id"]] == "[gMASK]"
+    assert tokens[md["tokenizer.ggml.eos_token_id"]] == "<|endoftext|>"
+    assert md["tokenizer.chat_template"].startswith("[gMASK]<sop>")
+    assert md["general.file_type"] == 32  # LlamaFileType.MOSTLY_BF16
+    assert a + "attention.indexer.types" not in md  # GLM-5 (not 5.2) files have none: every layer full
+
+
+def test_tensor_inventory_order_and_f32_rule(tiny_bf16_checkpoint):
+    m = GGUFModel(tiny_bf16_checkpoint)
+    cfg = config_from_metadata(m)
+    required = {s.gguf_name: s for s in schema.expected_tensors(cfg) if s.required}
+    assert set(m.tensors) == set(required)
+    names = list(m.tensors)
+    # converter order: lm_head sorts first among HF names, model.norm last; merged experts down, gate, up;
+    # kv_b_proj -> attn_k_b then attn_v_b
+    assert names[0] == "output.weight" and names[1] == "token_embd.weight" and names[-1] == "output_norm.weight"
+    for b in range(1, 4):
+        i = names.index(f"blk.{b}.ffn_down_exps.weight")
+        assert names[i:i + 3] == [f"blk.{b}.ffn_{w}_exps.weight" for w in ("down", "gate", "up")]
+    for b in range(4):
+        i = names.index(f"blk.{b}.attn_k_b.weight")
+        assert names[i + 1] == f"blk.{b}.attn_v_b.weight"
+    assert [n for n in names if ".nextn." in n] == [
+        "blk.3.nextn.eh_proj.weight", "blk.3.nextn.enorm.weight", "blk.3.nextn.hnorm.weight",
+        "blk.3.nextn.shared_head_norm.weight"]
+    for t in m:
+        f32 = len(t.shape) == 1 or t.name.endswith("_norm.weight") or ".ffn_gate_inp." in t.name or \
+            not t.name.endswith(".weight")
+        assert t.qtype == (Q.F32 if f32 else Q.BF16), t.name
+    assert m["blk.1.exp_probs_b.bias"].qtype == Q.F32 and m["blk.1.ffn_gate_inp.weight"].qtype == Q.F32
+
+
+def test_ud_mix(tiny_checkpoint):
+    m = GGUFModel(tiny_checkpoint)
+    types = {t.name: t.qtype for t in m}
+    assert types["token_embd.weight"] == Q.Q4_K and types["output.weight"] == Q.Q6_K
+    for b in range(4):
+        assert types[f"blk.{b}.attn_k_b.weight"] in (Q.Q8_0, Q.Q5_0)
+        assert types[f"blk.{b}.attn_norm.weight"] == Q.F32
+    for b in range(1, 4):
+        assert types[f"blk.{b}.ffn_gate_exps.weight"] == types[f"blk.{b}.ffn_up_exps.weight"] == Q.Q4_K
+        assert types[f"blk.{b}.ffn_gate_inp.weight"] == Q.F32
+    specs = {s.gguf_name: s for s in schema.expected_tensors(config_from_metadata(m))}
+    for t in m:  # blocks fit every row, and every row-parallel shard at the preset's largest TP
+        block = GGML_QUANT_SIZES[t.qtype][0]
+        assert t.shape[-1] % block == 0
+        if specs[t.name].tp_split == "row":
+            assert (t.shape[-1] // TINY.max_tp) % block == 0, t.name
+    assert sum(t.qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for t in m) >= 20
+
+
+def _dequantized_hf_state(path) -> tuple[object, dict[str, torch.Tensor]]:
+    """The main model's transformers state dict rebuilt from a GGUF (dequantize; merge kv_b and gate/up)."""
+    m = GGUFModel(path)
+    cfg = config_from_metadata(m)
+    parts: dict[str, list[torch.Tensor]] = {}
+    required = {s.gguf_name for s in schema.expected_tensors(cfg) if s.required}
+    for hf, gg in schema.hf_to_gguf(cfg).items():
+        if not any(g in m for g in gg) and not required.intersection(gg):
+            continue  # optional: the indexer of a "shared" layer
+        parts[hf] = [dequantize_tensor(m[g]) for g in gg]
+    state = {}
+    for hf, ts in parts.items():
+        if hf.endswith("kv_b_proj.weight"):
+            state[hf] = schema.merge_kv_b(*ts)
+        elif hf.endswith("experts.gate_up_proj"):
+            state[hf] = schema.merge_gate_up(*ts)
+        else:
+            (state[hf],) = ts
+    return cfg, state
+
+
+def test_f32_checkpoint_holds_the_drawn_weights_exactly(tiny_f32_checkpoint):
+    cfg, state = _dequantized_hf_state(tiny_f32_checkpoint)
+    drawn = hf_state_dict(preset_config("tiny"), seed=0)
+    main = {k: v for k, v in drawn.items() if not k.startswith(f"model.layers.{cfg.num_hidden_layers}.")}
+    assert set(state) == set(main)
+    for k in main:
+        assert torch.equal(state[k], main[k]), k
+
+
+def test_split_set_holds_the_same_tensors(tiny_split_checkpoint, tiny_checkpoint):
+    assert tiny_split_checkpoint.name.endswith("-00001-of-00003.gguf")
+    split, whole = GGUFModel(tiny_split_checkpoint), GGUFModel(tiny_checkpoint)
+    assert [p.name[-20:] for p in split.paths] == [f"-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert list(split.tensors) == list(whole.tensors)
+    assert len({t.file for t in split}) == 3
+    for name, t in whole.tensors.items():
+        assert split[name].qtype == t.qtype and np.array_equal(split[name].raw(), t.raw()), name
+    later = GGUFReader(split.paths[1]).fields
+    assert {k for k in later if not k.startswith("GGUF.")} == {"split.no", "split.count", "split.tensors.count"}
+
+
+class _TopKRecorder(TorchFunctionMode):
+    """Records the input of every ``Tensor.topk`` call while ``active`` (set by hooks around the indexer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.active, self.scores = False, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.active and func is torch.Tensor.topk:
+            self.scores.append((args[0].detach().clone(), args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _prompts(tok, n: int, length: int) -> list[list[int]]:
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    step = (len(ids) - length) // n
+    return [ids[i * step:i * step + length] for i in range(n)]
+
+
+def test_logit_margins_and_no_indexer_ties(tiny_checkpoint):
+    """On the quantized weights engines run: >= 80 % of positions have a top-1 margin >= 0.5 nat, and the
+    indexer's k-th and (k+1)-th scores never tie (every query longer than index_topk is sparse)."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    cfg, state = _dequantized_hf_state(tiny_checkpoint)
+    cfg._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(cfg).eval()
+    model.load_state_dict(state, strict=True)
+    tok = tokenizer_from_gguf(tiny_checkpoint)
+    rec = _TopKRecorder()
+    for layer in model.model.layers:
+        ix = layer.self_attn.indexer
+        ix.register_forward_pre_hook(lambda *_: setattr(rec, "active", True))
+        ix.register_forward_hook(lambda *_: setattr(rec, "active", False))
+    margins = []
+    with torch.no_grad(), rec:
+        for ids in _prompts(tok, 4, 64):
+            logits = model(torch.tensor([ids])).logits[0]
+            top2 = logits.topk(2, dim=-1).values
+            margins.append(top2[:, 0] - top2[:, 1])
+    margins = torch.cat(margins)
+    assert (margins >= 0.5).float().mean() >= 0.8, f"only {(margins >= 0.5).float().mean():.2f} with margin >= 0.5"
+    assert len(rec.scores) == 4 * cfg.num_hidden_layers
+    sparse_queries = 0
+    for scores, k in rec.scores:
+        assert k == cfg.index_topk
+        s = scores.reshape(-1, scores.shape[-1])
+        ordered = s.sort(dim=-1, descending=True).values
+        candidates = (ordered > torch.finfo(ordered.dtype).min / 2).sum(-1)  # causal mask adds finfo.min
+        rows = candidates > k  # queries that really choose
+        sparse_queries += int(rows.sum())
+        assert torch.all(ordered[rows, k - 1] > ordered[rows, k]), "tie at the indexer's top-k boundary"
+    assert sparse_queries >= 4 * cfg.num_hidden_layers * (64 - cfg.index_topk)
+
+
+LLAMA_LOGITS = """
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+req = json.load(sys.stdin)
+llm = Llama(model_path=req["model"], n_ctx=128, n_batch=128, verbose=False, logits_all=True, n_threads=2)
+out = []
+for ids in req["prompts"]:
+    llm.reset()
+    llm.eval(ids)
+    out.append(np.asarray(llm.scores[:len(ids)], dtype=np.float32).tolist())
+print(json.dumps(out))
+"""
+
+
+def _transformers_logits(path, prompts) -> list[np.ndarray]:
+    from transformers import GlmMoeDsaForCausalLM
+
+    cfg, state = _dequantized_hf_state(path)
+    cfg._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(cfg).eval()
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0].numpy() for ids in prompts]
+
+
+@pytest.mark.parametrize("indexer_types", [None, ["full", "shared", "full"]], ids=["glm5", "glm5.2-shared"])
+def test_llama_cpp_agrees_with_transformers_on_f32(indexer_types, tiny_f32_checkpoint, tmp_path, subprocess_json):
+    """llama.cpp (its own GGUF loader and glm-dsa graph) and transformers (our HF-named weights) compute the same
+    logits, sparse positions included: the layout -- kv_b split, rope, indexer, router -- means what it should."""
+    pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
+    path = tiny_f32_checkpoint if indexer_types is None else \
+        make_checkpoint(tmp_path, "tiny", "f32", indexer_types=indexer_types)
+    if indexer_types:
+        m = GGUFModel(path)
+        assert "blk.1.indexer.attn_q_b.weight" not in m and "blk.2.indexer.attn_q_b.weight" in m
+        assert m.get(".attention.indexer.types") == [True, False, True]
+        assert all(c.ok for c in verify(path))
+    prompts = _prompts(tokenizer_from_gguf(path), 3, 48)
+    got = subprocess_json(LLAMA_LOGITS, {"model": str(path), "prompts": prompts})
+    k = PRESETS["tiny"].index_topk
+    close = []
+    for want, have in zip(_transformers_logits(path, prompts), got):
+        err = np.abs(want - np.asarray(have)).max(-1)  # per position; logits are ~10 nats wide
+        assert np.all(err[:k] < 0.1)  # dense positions: only rounding (llama.cpp keeps K in f16)
+        close.append(err < 0.1)
+        # a sparse position may differ: an indexer near-tie (not an exact one) that f16 rounding flips
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0] > 0.2) & (err < 0.1)
+        assert np.array_equal(want.argmax(-1)[clear], np.asarray(have).argmax(-1)[clear])
+    assert np.concatenate(close).mean() >= 0.95
+
+
+LLAMA_GENERATE = """
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+req = json.load(sys.stdin)
+llm = Llama(model_path=req["model"], n_ctx=128, verbose=False, n_threads=2)
+t = time.perf_counter()
+out = []
+for tok in llm.generate(req["prompt"], temp=0.0):
+    out.append(tok)
+    if len(out) == req["n"]:
+        break
+print(json.dumps({"tokens": out, "seconds": time.perf_counter() - t,
+                  "finite": bool(np.isfinite(np.asarray(llm.scores[:llm.n_tokens])).all())}))
+"""
+
+
+def test_llama_cpp_generates_from_the_default_checkpoint(tiny_checkpoint, subprocess_json):
+    pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
+    tok = tokenizer_from_gguf(tiny_checkpoint)
+    prompt = tok.encode("The harbour town woke slowly that morning.", add_special_tokens=False)
+    got = subprocess_json(LLAMA_GENERATE, {"model": str(tiny_checkpoint), "prompt": prompt, "n": 32})
+    assert len(got["tokens"]) == 32 and all(0 <= t < 512 for t in got["tokens"]) and got["finite"]
+
+
+@pytest.mark.slow
+def test_llama_q4_k_m_mix(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) runs llama_model_quantize")
+    path = make_checkpoint(tmp_path, "tiny", "llama-q4_k_m", split=2)
+    m = GGUFModel(path)
+    assert len(m.paths) == 2 and m.get("general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert {t.qtype for t in m} >= {Q.Q4_K, Q.F32}
+    assert all(c.ok for c in verify(path)), [c.line() for c in verify(path) if not c.ok]
+
+
+def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
+    from glm5serve import cache
+    from glm5serve.checkpoint import default_checkpoint
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path))
+    first = default_checkpoint()
+    assert first.is_relative_to(tmp_path) and first.name == "glm5-tiny-ud-q4_k_xl.gguf"
+    stamp = first.stat().st_mtime_ns
+    calls = []
+    monkeypatch.setattr("glm5serve.checkpoint.make_checkpoint", lambda *a, **k: calls.append(a))
+    assert cache.default_checkpoint() == first and first.stat().st_mtime_ns == stamp and not calls
+    assert not list(first.parent.parent.glob(".build-*"))  # no temporary directory left behind
+
+
+@pytest.mark.slow
+def test_narrow_preset(narrow_checkpoint, subprocess_json):
+    m = GGUFModel(narrow_checkpoint)
+    assert narrow_checkpoint.stat().st_size <= 250e6
+    cfg = config_from_metadata(m)
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (512, 64, 192, 256)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (32, 128, 2048)
+    for tp in (1, 2, 4, 8):
+        results = verify(narrow_checkpoint, tp)
+        assert all(c.ok for c in results), [c.line() for c in results if not c.ok]
+    pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
+    tok = tokenizer_from_gguf(narrow_checkpoint)
+    prompt = tok.encode("The harbour town woke slowly that morning.", add_special_tokens=False)
+    got = subprocess_json(LLAMA_GENERATE, {"model": str(narrow_checkpoint), "prompt": prompt, "n": 8})
+    assert len(got["tokens"]) == 8 and got["finite"]
