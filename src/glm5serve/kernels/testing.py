@@ -1,0 +1,66 @@
+"""Test data and independent references for the GGUF kernels (used by the CPU-interpreter and GPU tests and the
+benchmark): quantized weights with sane scales, and gguf-py's dequantizer followed by an fp64 matmul."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+# Byte offsets of the fp16 super-block scales (ggml-common.h ``block_q4_K`` etc.).
+_KQUANT_F16 = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_qweight(qtype: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """Raw GGUF bytes ``uint8 (rows, row_bytes)`` of a ``qtype`` weight of numpy shape ``(rows, cols)``.
+
+    Q4_0/Q5_0/Q8_0: gguf-py's quantizer applied to N(0, scale) weights.  K-quants: random bytes (every code and
+    6-bit/int8 sub-scale pattern) with the fp16 super-block scales overwritten by finite values of either sign,
+    sized so that weights are about ``scale``.
+    """
+    qtype = Q(qtype)
+    qk, qb = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype not in _KQUANT_F16:
+        w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        return gguf.quants.quantize(w, qtype)
+    blocks = rng.integers(0, 256, (rows, cols // qk, qb), dtype=np.uint8)
+    unit = scale / (32 * 8 if qtype == Q.Q6_K else 32 * 15)  # typical |sub-scale * code|
+    for off in _KQUANT_F16[qtype]:
+        d = (rng.uniform(-2, 2, blocks.shape[:2]) * unit).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def dequant(qweight, qtype: int) -> torch.Tensor:
+    """gguf-py's dequantizer (the oracle) as a float64 tensor; ``qweight`` may be (..., rows, row_bytes)."""
+    if isinstance(qweight, torch.Tensor):
+        qweight = qweight.cpu().numpy()
+    return torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(qweight), Q(qtype))).double()
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W.T, |x| @ |W|.T) in float64 on the CPU; the second bounds how rounding errors can add up."""
+    x64, w64 = x.detach().cpu().double(), weight.cpu().double()
+    return x64 @ w64.T, x64.abs() @ w64.abs().T
+
+
+def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed-expert SwiGLU MLP in float64 from dequantized ``w13`` (E, 2I, H) and ``w2`` (E, H, I), one token and
+    slot at a time (negative ids skipped); returns (y, bound) with bound = sum |w| |W2| |h| for error budgets."""
+    x64 = x.detach().cpu().double()
+    ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
+    inter = w13.shape[1] // 2
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    bound = torch.zeros_like(y)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if e < 0:
+                continue
+            gate_up = w13[e] @ x64[t]
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            h_bound = (w13[e].abs() @ x64[t].abs())[inter:] * (w13[e].abs() @ x64[t].abs())[:inter]
+            y[t] += wts[t, s] * (w2[e] @ h)
+            bound[t] += wts[t, s].abs() * (w2[e].abs() @ (h.abs() + h_bound))
+    return y, bound

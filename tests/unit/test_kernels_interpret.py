@@ -1,0 +1,136 @@
+"""The GGUF Triton kernels run on the CPU through Triton's interpreter, against gguf-py's dequantizer + fp64 matmul.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so outside the interpreter this file holds one test
+that re-runs the file in a fresh interpreter process.  Shapes are tiny (the interpreter runs programs one by one)
+but cover partial row tiles, partial K steps, split-K, several M tiles, padded and sliced weights, both the FMA
+and the tensor-core (``tl.dot``) paths, and every supported type.  (The interpreter's ``tl.dot`` is wrong for bf16
+operands, so the dot path is checked here with fp16 and in bf16 only on the GPU; its fp32->bf16 conversion
+truncates, hence the one-ulp budget for bf16 outputs.)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+
+    def test_kernels_under_triton_interpreter():
+        root = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
+                            "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"interpreted kernel tests failed:\n{r.stdout[-12000:]}\n{r.stderr[-3000:]}"
+
+else:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as Q
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, supports, supports_moe
+    from glm5serve.kernels.gguf_gemv import BLOCK_SIZES
+    from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
+
+    TYPES = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    FP32_EPS = 2.0 ** -20  # fp32 accumulation over <= 1024 terms, with margin
+
+    def _check(y, ref, bound, rel_out=0.0, rel_sum=FP32_EPS, what=""):
+        """|y - ref| <= rel_out * |ref| + rel_sum * (|x| @ |W|.T): output rounding plus accumulated rounding.
+
+        With fp32 inputs rel_sum is ~1e-6, far below the 1/K share of any single weight, so one wrongly decoded
+        code anywhere in a row fails the test."""
+        err = (y.detach().cpu().double() - ref).abs()
+        tol = rel_out * ref.abs() + rel_sum * bound + 1e-30
+        worst = (err / tol).max().item()
+        assert worst <= 1.0, f"{what}: error {err.max().item():.3g} is {worst:.3g}x the budget"
+
+    def _case(qtype, M, N, K, seed, dtype=torch.float32, pad=0):
+        rng = np.random.default_rng(seed)
+        raw = random_qweight(qtype, N, K, rng)
+        if pad:
+            raw = np.concatenate([raw, rng.integers(0, 256, (N, pad), dtype=np.uint8)], axis=1)
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32)).to(dtype)
+        ref, bound = reference_linear(x, dequant(raw[:, :raw.shape[1] - pad], qtype))
+        return x, torch.from_numpy(raw), ref, bound
+
+    def _k(qtype, blocks):
+        return BLOCK_SIZES[int(qtype)][0] * blocks
+
+    @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+    def test_gemv_matches_gguf_py_fp32(qtype):
+        """Default config, plus split-K over 2 programs with one block per step; 19 rows (a partial row tile) and
+        3 blocks per row (a partial K step)."""
+        x, w, ref, bound = _case(qtype, M=3, N=19, K=_k(qtype, 3), seed=int(qtype))
+        _check(gguf_linear(x, w, qtype, 19), ref, bound, what="default")
+        split = GemvConfig(block_n=8, kbs=1, split_k=2)
+        _check(gguf_linear(x, w, qtype, 19, split), ref, bound, what="split-K")
+
+    @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+    def test_gemv_bf16_activations(qtype):
+        x, w, ref, bound = _case(qtype, M=2, N=5, K=_k(qtype, 2), seed=10 + int(qtype), dtype=torch.bfloat16)
+        y = gguf_linear(x, w, qtype, 5)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 5)
+        _check(y, ref, bound, rel_out=2.0 ** -7, what="bf16")
+
+    @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+    def test_gemv_tensor_core_path_fp16(qtype):
+        """M = 5 takes the tl.dot path (x padded to 16 rows); weights are rounded to fp16 before the dot."""
+        x, w, ref, bound = _case(qtype, M=5, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=torch.float16)
+        cfg = GemvConfig(block_n=16, kbs=2, split_k=1, use_dot=True)
+        _check(gguf_linear(x, w, qtype, 17, cfg), ref, bound, rel_out=2.0 ** -10, rel_sum=2.0 ** -10, what="dot")
+
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q5_0), ids=lambda q: q.name)
+    def test_gemv_padded_sliced_weight_and_m_tiles(qtype):
+        """Rows with trailing padding bytes (the plugin's merged weights), a row slice (storage offset), and
+        M = 7 on the FMA path (two M tiles of 4)."""
+        x, w, ref, bound = _case(qtype, M=7, N=12, K=_k(qtype, 2), seed=30 + int(qtype), pad=16)
+        sliced = w[3:11]
+        y = gguf_linear(x, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, use_dot=False))
+        _check(y, ref[:, 3:11], bound[:, 3:11], what="sliced")
+
+    @settings(max_examples=12, deadline=None)
+    @given(qtype=st.sampled_from(TYPES), M=st.integers(1, 6), N=st.integers(1, 33), blocks=st.integers(1, 3),
+           block_n=st.sampled_from((4, 8, 16)), kbs=st.sampled_from((1, 2, 4)), split_k=st.integers(1, 3),
+           seed=st.integers(0, 2**16))
+    def test_gemv_drawn_shapes_and_configs(qtype, M, N, blocks, block_n, kbs, split_k, seed):
+        x, w, ref, bound = _case(qtype, M, N, _k(qtype, blocks), seed)
+        y = gguf_linear(x, w, qtype, N, GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k))
+        _check(y, ref, bound, what=f"{qtype.name} M={M} N={N} blocks={blocks}")
+
+    @pytest.mark.parametrize("q13,q2", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q5_0)], ids=lambda q: q.name)
+    def test_moe_matches_reference(q13, q2):
+        """3 tokens, top-2 of 3 experts, a repeated expert and a negative id (expert not on this rank)."""
+        rng = np.random.default_rng(int(q13) * 16 + int(q2))
+        E, H, inter = 3, _k(q13, 1), _k(q2, 1)
+        w13 = np.stack([random_qweight(q13, 2 * inter, H, rng) for _ in range(E)])
+        w2 = np.stack([random_qweight(q2, H, inter, rng) for _ in range(E)])
+        x = torch.from_numpy(rng.standard_normal((3, H)).astype(np.float32))
+        ids = torch.tensor([[0, 2], [1, -1], [2, 2]], dtype=torch.int32)
+        wts = torch.from_numpy(rng.uniform(0.1, 1, (3, 2)).astype(np.float32))
+        y = gguf_moe(x, torch.from_numpy(w13), torch.from_numpy(w2), wts, ids, q13, q2)
+        ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
+        _check(y, ref, bound, rel_sum=2.0 ** -18, what="moe")
+
+    def test_bad_input_is_rejected():
+        w = torch.zeros(4, 144, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="unsupported GGML type"):
+            gguf_linear(torch.zeros(1, 256), w, int(Q.Q2_K), 4)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            gguf_linear(torch.zeros(1, 128), w, int(Q.Q4_K), 4)
+        with pytest.raises(ValueError, match="does not hold 5 rows"):
+            gguf_linear(torch.zeros(1, 256), w, int(Q.Q4_K), 5)
+        with pytest.raises(ValueError, match="activation"):
+            gguf_moe(torch.zeros(1, 256), w[None], w[None], torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32),
+                     Q.Q4_K, Q.Q4_K, activation="gelu")
+
+    def test_supports():
+        assert supports(Q.Q4_K, 1, 2048, 6144) and supports(Q.Q8_0, 16, 7, 32)
+        assert not supports(Q.Q4_K, 17, 2048, 6144)  # prefill: the plugin's MMQ kernels
+        assert not supports(Q.Q4_K, 1, 2048, 6144 + 32)  # not whole super-blocks
+        assert not supports(Q.IQ4_XS, 1, 2048, 6144) and not supports(Q.F16, 1, 8, 8)
+        assert supports_moe(Q.Q4_K, Q.Q6_K, 16, 6144, 2048) and not supports_moe(Q.Q4_K, Q.Q2_K, 1, 6144, 2048)
