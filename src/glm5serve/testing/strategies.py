@@ -135,3 +135,71 @@ def float_weights(draw, shape: tuple[int, ...] | st.SearchStrategy, *, scales=WE
     elif kind == "half_zero":
         x[..., : shape[-1] // 2] = 0
     return x
+
+
+# --- weights with finite values, shard sets and arrival orders, TP divisors, batch compositions ------------------
+
+BLOCK_TYPES = tuple(t for t in SUPPORTED_TYPES if t not in (Q.F32, Q.F16, Q.BF16))
+
+
+@st.composite
+def finite_gguf_rows(draw, qtype: Q, rows: int, cols: int, *, scale: float = 0.05) -> np.ndarray:
+    """Raw bytes ``uint8 (rows, row_bytes)`` of a ``qtype`` weight of numpy shape ``(rows, cols)`` whose values are
+    all finite and about ``scale``: random bytes (every code and packed sub-scale pattern) with each fp16 scale/min
+    field overwritten by a finite value of either sign. F32/F16/BF16: N(0, scale²) values in that type.
+
+    For differential tests of layout (order, slicing) where hostile bytes would only add NaN noise.
+    """
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        w = torch.from_numpy((rng.standard_normal((rows, cols)) * scale).astype(np.float32))
+        if qtype == Q.F32:
+            return w.numpy().view(np.uint8)
+        return w.to(torch.float16 if qtype == Q.F16 else torch.bfloat16).view(torch.uint8).numpy()
+    block_size, type_size = block_geometry(qtype)
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    # a scale field times the largest code/sub-scale product stays about ``scale``
+    unit = {Q.Q6_K: scale / (32 * 128), Q.Q2_K: scale / (16 * 3), Q.Q3_K: scale / (32 * 4), Q.Q8_0: scale / 128}.get(
+        qtype, scale / (16 * 63) if block_size == 256 else scale / 16)
+    for off in FP16_FIELDS[qtype]:
+        d = (rng.uniform(-1, 1, blocks.shape[:2]) * unit).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def tp_sizes_dividing(n: int, max_tp: int = 8) -> st.SearchStrategy[int]:
+    """A tensor-parallel size from :data:`TP_SIZES` (up to ``max_tp``) that divides ``n``."""
+    return st.sampled_from(tuple(t for t in TP_SIZES if t <= max_tp and n % t == 0))
+
+
+@st.composite
+def shard_sets(draw, *, n_shards: int | st.SearchStrategy[int] = st.integers(2, 4),
+               qtypes: st.SearchStrategy[Q] | None = None, max_rows: int = 3, max_blocks: int = 2,
+               rows_multiple: int = 1) -> tuple[int, list[tuple[int, Q]]]:
+    """``(cols, [(rows_i, qtype_i), ...])``: the shards of a merged (fused) layer in declared order, sizes and quant
+    types drawn independently per shard. ``cols`` (the shared input size) is a whole number of blocks of every
+    shard's type; each ``rows_i`` is a multiple of ``rows_multiple`` (the TP size, for column-parallel shards).
+    ``qtypes`` defaults to every block-quantized type glm5serve supports.
+    """
+    n = draw(n_shards) if isinstance(n_shards, st.SearchStrategy) else n_shards
+    types = qtypes if qtypes is not None else quant_types(BLOCK_TYPES)
+    shards = [(draw(st.integers(1, max_rows)) * rows_multiple, draw(types)) for _ in range(n)]
+    block = max(block_geometry(q)[0] for _, q in shards)
+    return draw(st.integers(1, max_blocks)) * block, shards
+
+
+def arrival_orders(n: int) -> st.SearchStrategy[list[int]]:
+    """An order in which the ``n`` shards of a merged layer reach the loader (a permutation of ``range(n)``)."""
+    return st.permutations(list(range(n)))
+
+
+@st.composite
+def batch_compositions(draw, *, max_requests: int = 4, max_seq_len: int = 48, max_query_len: int = 4,
+                       max_pad: int = 3) -> tuple[list[int], list[int], int]:
+    """``(seq_lens, q_lens, pad_tokens)``: a batch of requests as a scheduler forms it, request b holding
+    ``seq_lens[b]`` tokens of which the last ``q_lens[b]`` (1 ≤ q ≤ seq) are new this step, plus ``pad_tokens``
+    padding rows (a CUDA graph captured for a larger batch). ``max_query_len=1`` gives a decode batch."""
+    n = draw(st.integers(1, max_requests))
+    seq_lens = [draw(st.integers(1, max_seq_len)) for _ in range(n)]
+    q_lens = [draw(st.integers(1, min(s, max_query_len))) for s in seq_lens]
+    return seq_lens, q_lens, draw(st.integers(0, max_pad))
