@@ -22,6 +22,10 @@ Deliberate choices, all selectable:
   ``kv_b_proj`` (transformers' form); ``"absorbed"`` folds ``W_UK`` into the query and ``W_UV`` into the output and
   attends over the latent directly (llama.cpp's and vLLM's decode form). Equal up to float rounding.
 * ``sparse`` (default True): DSA top-k selection on; ``False`` gives plain causal attention (the indexer is skipped).
+* DSA on CPU in llama.cpp: its glm-dsa graph applies the indexer's top-k on every backend (``build_attn`` with
+  ``top_k`` rebuilds the KQ mask from ``ggml_top_k``), so llama.cpp is compared on sparse prompts too
+  (``tests/unit/test_llamacpp_oracle.py``). ``indexer_types`` ``"shared"`` layers reuse the previous layer's
+  selection (GLM-5.2), as in transformers and llama.cpp.
 * DSA ties: the indexer keeps the ``min(index_topk, t+1)`` best causal keys of query ``t``; equal scores are broken
   towards the lower position (a stable sort). transformers (``torch.topk``) and llama.cpp (``std::partial_sort``)
   leave tie order unspecified, so only inputs without a tie at the selection boundary are comparable.

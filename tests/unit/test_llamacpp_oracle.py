@@ -117,3 +117,22 @@ def test_qa_kv_norm_eps_is_what_separates_transformers_from_llamacpp(tiny_f32_ch
         near = rel_err(llama[i][0][: len(ids)], ref.forward(ids))
         far = rel_err(llama[i][0][: len(ids)], hf_eps.forward(ids))
         assert far > 5 * near
+
+
+def test_shared_indexer_layers_match_llamacpp(tmp_path):
+    """GLM-5.2-style ``indexer_types`` (layer 1 reuses layer 0's top-k): llama.cpp reads the same metadata key."""
+    from glm5serve.cache import cached_checkpoint
+
+    path = cached_checkpoint("tiny", "f32", indexer_types=["full", "shared", "full"])
+    model = ReferenceModel.from_gguf(path, qa_kv_norm_eps="rms_norm_eps")
+    assert model.indexer_types == ["full", "shared", "full"]
+    ids = torch.randint(0, 480, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = tmp_path / "out.npz"
+    args = dict(model=str(path), prompts=[ids], n_new=8, n_ctx=256, out=str(out))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    data = np.load(out)
+    tokens = data["tokens0"].tolist()
+    assert model.generate(ids, 8) == tokens
+    assert rel_err(torch.from_numpy(data["logits0"]), model.forward(ids + tokens[:-1])) <= 1e-4

@@ -79,6 +79,22 @@ def test_sparse_selection_changes_long_prompts(tiny, tok):
 
 
 # ---------------------------------------------------------------- loading
+def test_split_set_loads_the_same_weights(tiny_split_checkpoint, tiny, tok):
+    split = ReferenceModel.from_gguf(tiny_split_checkpoint)
+    assert split.w.keys() == tiny.w.keys() and all(torch.equal(split.w[k], tiny.w[k]) for k in tiny.w)
+
+
+def test_shared_indexer_checkpoint_matches_transformers(tok):
+    from glm5serve.cache import cached_checkpoint
+
+    model = ReferenceModel.from_gguf(cached_checkpoint("tiny", "ud-q4_k_xl", indexer_types=["full", "shared", "full"]))
+    assert model.indexer_types == ["full", "shared", "full"]
+    assert not any(".layers.1.self_attn.indexer." in k for k in model.w)
+    ids = tok.encode(LONG[1])
+    expected, _ = hf_hidden_states(hf_model(model.cfg, model.w), ids)
+    assert rel_err(model.forward(ids), expected) <= 1e-5
+
+
 def test_mtp_block_is_checked_but_not_loaded(tiny):
     n = tiny.cfg.num_hidden_layers
     assert tiny.cfg.num_nextn_predict_layers == 1
