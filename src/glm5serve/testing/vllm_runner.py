@@ -1,0 +1,83 @@
+"""Run one vLLM engine configuration on a GGUF and record greedy tokens with their top-k logprobs.
+
+vLLM does not free all GPU memory when an ``LLM`` goes away, so every configuration runs in its own process::
+
+    python -m glm5serve.testing.vllm_runner --model M.gguf --batches B.json --out R.json --mode eager --tp 1
+
+``B.json`` is a list of batches, each a list of prompts (token-id lists); every batch is one ``LLM.generate`` call,
+so its size is the decode batch size. ``R.json`` mirrors it: per prompt the generated ``tokens`` and, per step,
+``logprobs`` as ``{token_id: logprob}`` (the chosen token plus the top-k). Works with vLLM 0.25 and 0.33.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+#: engine settings per mode. ``graphs``: CUDA graphs for uniform decode batches without torch.compile, so
+#: capture/replay is tested apart from compilation; ``default``: vLLM's default (torch.compile + graphs).
+MODES: dict[str, dict] = {
+    "eager": {"enforce_eager": True},
+    "graphs": {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
+    "default": {"enforce_eager": False},
+}
+
+
+def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: int = 1, max_tokens: int = 32,
+        logprobs: int = 5, max_model_len: int = 4096, gpu_memory_utilization: float = 0.4) -> dict:
+    """Generate greedily (``ignore_eos``) for every batch; returns the JSON-able record described above."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=model, tensor_parallel_size=tp, dtype="bfloat16", seed=0, max_model_len=max_model_len,
+              gpu_memory_utilization=gpu_memory_utilization, **MODES[mode])
+    t_init = time.time() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
+    out_batches = []
+    t0 = time.time()
+    for batch in batches:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in batch], sp, use_tqdm=False)
+        out_batches.append([{
+            "prompt_len": len(o.prompt_token_ids),
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs],
+        } for o in outs])
+    t_gen = time.time() - t0
+    import vllm
+
+    try:
+        from vllm_gguf_plugin import ops as gguf_ops
+        gguf_kernels = "cuda-extension" if getattr(gguf_ops, "_CUDA_ENABLED", False) else "triton"
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        gguf_kernels = f"unknown ({type(e).__name__})"
+    return {"vllm": vllm.__version__, "mode": mode, "tp": tp, "gguf_kernels": gguf_kernels,
+            "init_s": round(t_init, 1), "generate_s": round(t_gen, 2), "batches": out_batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m glm5serve.testing.vllm_runner", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batches", required=True, help="JSON file: list of batches of prompts (token ids)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=sorted(MODES), default="eager")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--logprobs", type=int, default=5)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with open(a.batches) as f:
+        batches = json.load(f)
+    rec = run(a.model, batches, mode=a.mode, tp=a.tp, max_tokens=a.max_tokens, logprobs=a.logprobs,
+              max_model_len=a.max_model_len)
+    with open(a.out, "w") as f:
+        json.dump(rec, f)
+    print(f"vllm_runner: {a.mode} tp={a.tp}: init {rec['init_s']} s, generate {rec['generate_s']} s -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
