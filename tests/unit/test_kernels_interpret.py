@@ -3,9 +3,11 @@
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so outside the interpreter this file holds one test
 that re-runs the file in a fresh interpreter process.  Shapes are tiny (the interpreter runs programs one by one)
 but cover partial row tiles, partial K steps, split-K, several M tiles, padded and sliced weights, both the FMA
-and the tensor-core (``tl.dot``) paths, and every supported type.  (The interpreter's ``tl.dot`` is wrong for bf16
-operands, so the dot path is checked here with fp16 and in bf16 only on the GPU; its fp32->bf16 conversion
-truncates, hence the one-ulp budget for bf16 outputs.)
+and the tensor-core (``tl.dot``) paths, and every supported type.
+
+The interpreter's ``tl.dot`` multiplies bf16 operands as raw 16-bit integers (triton 3.8
+``InterpreterBuilder.create_dot``): below, bf16 operands are widened to fp32 first, which is what the GPU's bf16 MMA
+computes (exact products, fp32 sums).  Its fp32->bf16 conversion truncates, hence a one-ulp budget for bf16 outputs.
 """
 from __future__ import annotations
 
@@ -28,13 +30,25 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 else:
     import numpy as np
     import torch
+    import triton.language as tl
     from gguf import GGMLQuantizationType as Q
     from hypothesis import given, settings
     from hypothesis import strategies as st
+    from triton.runtime import interpreter as _interp
 
-    from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, supports, supports_moe
+    from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config, supports, supports_moe
     from glm5serve.kernels.gguf_gemv import BLOCK_SIZES
     from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
+
+    _create_dot = _interp.InterpreterBuilder.create_dot
+
+    def _widen_bf16(h):
+        if not h.dtype.is_bf16():
+            return h
+        return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    _interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _create_dot(
+        self, _widen_bf16(a), _widen_bf16(b), d, *rest)
 
     TYPES = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
     FP32_EPS = 2.0 ** -20  # fp32 accumulation over <= 1024 terms, with margin
@@ -77,12 +91,14 @@ else:
         assert y.dtype == torch.bfloat16 and y.shape == (2, 5)
         _check(y, ref, bound, rel_out=2.0 ** -7, what="bf16")
 
+    @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-    def test_gemv_tensor_core_path_fp16(qtype):
-        """M = 5 takes the tl.dot path (x padded to 16 rows); weights are rounded to fp16 before the dot."""
-        x, w, ref, bound = _case(qtype, M=5, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=torch.float16)
-        cfg = GemvConfig(block_n=16, kbs=2, split_k=1, use_dot=True)
-        _check(gguf_linear(x, w, qtype, 17, cfg), ref, bound, rel_out=2.0 ** -10, rel_sum=2.0 ** -10, what="dot")
+    def test_gemv_tensor_core_path(qtype, dtype):
+        """M = 5 takes the tl.dot path (x padded to 16 rows); weights are rounded to x's dtype before the dot."""
+        x, w, ref, bound = _case(qtype, M=5, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=dtype)
+        assert pick_config(qtype, 5, 17, x.shape[1], dtype=dtype).use_dot
+        eps = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
+        _check(gguf_linear(x, w, qtype, 17), ref, bound, rel_out=eps, rel_sum=eps, what="dot")
 
     @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q5_0), ids=lambda q: q.name)
     def test_gemv_padded_sliced_weight_and_m_tiles(qtype):
