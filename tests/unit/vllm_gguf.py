@@ -42,12 +42,11 @@ def rewrite(src, dst, types: dict[str, Q] | Callable[[str, Q], Q] | None = None,
         shape = tuple(reversed([int(x) for x in t.shape]))
         old = Q(t.tensor_type)
         new = (types(name, old) if callable(types) else (types or {}).get(name, old))
-        if new == old:
-            w.add_tensor(name, np.asarray(t.data), raw_shape=list(shape), raw_dtype=old)
+        if new == old:  # raw rows as stored (GGUFWriter takes uint8 data with its byte shape)
+            w.add_tensor(name, np.asarray(t.data), raw_dtype=old)
             continue
         values = dequantize(t.data, old).reshape(shape).astype(np.float32)
-        data = encode(values, new)
-        w.add_tensor(name, data, raw_shape=list(shape), raw_dtype=new)
+        w.add_tensor(name, encode(values, new), raw_dtype=new)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

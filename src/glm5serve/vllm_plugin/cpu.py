@@ -147,9 +147,10 @@ def model_class(kind: str):
 
 
 def build_and_load(gguf_path, *, tp: int = 1, rank: int = 0, kind: str = "generic",
-                   dtype: torch.dtype = torch.bfloat16):
+                   dtype: torch.dtype = torch.bfloat16, config_overrides: dict | None = None):
     """Build vLLM's GLM-5 model for rank ``rank`` of ``tp`` on CPU and load ``gguf_path`` into it with
     :class:`~glm5serve.vllm_plugin.weights.GlmDsaWeightsAdapter` (before ``process_weights_after_loading``).
+    ``config_overrides`` are set on the HF config first (as ``--hf-overrides`` would).
 
     Returns ``(model, adapter)``. Raises GGUFModelError exactly where a real load would (bad file, TP size the
     file does not allow, tensors or parameters left unused).
@@ -166,6 +167,8 @@ def build_and_load(gguf_path, *, tp: int = 1, rank: int = 0, kind: str = "generi
     register()
     vc = vllm_config_for(hf_folder(gguf_path), dtype)
     init_single_process(vc)
+    for key, value in (config_overrides or {}).items():
+        setattr(vc.model_config.hf_config, key, value)
     adapter = GlmDsaWeightsAdapter(vc.model_config.hf_config)
     spec = adapter.prepare_loading(str(Path(gguf_path)), vc.model_config, tp_size=tp)
     vc.quant_config = GGUFConfig(list(spec.unquantized_modules))

@@ -120,6 +120,9 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
         self.gguf = check_file(model_path, cfg, _tp_size() if tp_size is None else tp_size)
         self.dtype = model_config.dtype
         self.plan = _plan(self.gguf, cfg)
+        # what must be consumed, from the file itself (not from the plan, so a planning gap is caught too)
+        mtp = {s.gguf_name for s in expected_tensors(cfg) if s.kind == "mtp"}
+        self.sources = {n for n in self.gguf.tensors if n not in mtp}
         unquantized = _unquantized_modules(self.plan, self.gguf)
         self.load_spec = GGUFLoadSpec(
             weights_source=[str(p) for p in self.gguf.paths],
@@ -186,7 +189,7 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
         params = dict(model.named_parameters())
         with LoadRecorder(params) as rec:
             model.load_weights(self.weights_for(params))
-        unused = sorted({s for ld in self.plan for s in ld.sources} - rec.used_sources)
+        unused = sorted(self.sources - rec.used_sources)
         unloaded = sorted(set(params) - rec.loaded_params)
         if unused or unloaded:
             parts = []
