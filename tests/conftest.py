@@ -88,3 +88,38 @@ def gemma3_gguf() -> Path:
         return gemma3_270m_q4_k_m()
     except AssetUnavailable as e:
         pytest.skip(f"real Gemma-3 Q4_K_M GGUF unavailable: {e}")
+
+
+def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, replace=None, drop_keys=(),
+            set_keys=None) -> Path:
+    """Copy a single-file GGUF through gguf-py, dropping/adding/replacing tensors (name -> (array, raw_dtype))
+    and metadata keys."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    add, replace, set_keys = add or {}, replace or {}, set_keys or {}
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, set_keys.get(key, f.contents()), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        data, qtype = replace.get(t.name, (np.asarray(t.data), t.tensor_type))
+        w.add_tensor(t.name, data, raw_dtype=qtype)
+    for name, (data, qtype) in add.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="session")
+def gguf_rewrite():
+    """:func:`rewrite` as a fixture (edit a GGUF into a bad or variant file)."""
+    return rewrite

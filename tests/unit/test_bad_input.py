@@ -1,0 +1,149 @@
+"""Bad GGUF input: each defect gives exactly one clear line naming the file (and tensor) and a non-zero exit,
+never a traceback -- through ``glm5serve verify`` and ``glm5serve inspect``. The bad files are built here."""
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFWriter
+
+from glm5serve.cli import main
+from glm5serve.gguf_file import GGUFModel
+
+
+def _raw(rows: int, row: int, qtype: Q, seed: int = 0) -> np.ndarray:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return np.random.default_rng(seed).integers(0, 256, (rows, row // block * size), dtype=np.uint8)
+
+
+def _patch_tensor_type(path: Path, tensor: str, type_id: int) -> None:
+    """Overwrite a tensor's ggml type id in the header (an id no ggml knows)."""
+    r = GGUFReader(path)
+    (t,) = [t for t in r.tensors if t.name == tensor]
+    f = t.field
+    offset = f.offset + sum(p.nbytes for p in f.parts[:4])  # name len, name, n_dims, dims -> type
+    del r
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(struct.pack("<I", type_id))
+
+
+@pytest.fixture(scope="module")
+def bad(tiny_bf16_checkpoint, tiny_checkpoint, tiny_split_checkpoint, tmp_path_factory, gguf_rewrite):
+    """name -> (path of the bad model, tensor the message must name or None, words the message must contain)."""
+    d = tmp_path_factory.mktemp("bad")
+    out, rewrite = {}, gguf_rewrite
+
+    trunc = d / "truncated.gguf"
+    shutil.copy(tiny_bf16_checkpoint, trunc)
+    with open(trunc, "r+b") as fh:
+        fh.truncate(int(trunc.stat().st_size * 0.6))
+    last_whole = [t for t in GGUFReader(tiny_bf16_checkpoint).tensors if t.data_offset + t.n_bytes >
+                  int(trunc.stat().st_size)][0].name
+    out["truncated"] = (trunc, last_whole, "truncated")
+
+    shards = d / "split"
+    shards.mkdir()
+    for p in GGUFModel(tiny_split_checkpoint).paths:
+        shutil.copy(p, shards / p.name)
+    first = shards / tiny_split_checkpoint.name
+    (shards / first.name.replace("00001-of", "00002-of")).unlink()
+    out["missing shard"] = (first, None, "missing shard")
+
+    llama = d / "llama.gguf"
+    w = GGUFWriter(llama, "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out["foreign arch"] = (llama, None, "'llama'")
+
+    src = tiny_bf16_checkpoint
+    out["missing tensor"] = (rewrite(src, d / "missing.gguf", drop={"blk.1.attn_q_b.weight"}),
+                             "blk.1.attn_q_b.weight", "missing")
+    out["extra tensor"] = (rewrite(src, d / "extra.gguf", add={"blk.0.attn_bogus.weight": (
+        np.zeros((4, 256), np.float32), Q.F32)}), "blk.0.attn_bogus.weight", "unknown tensor")
+    out["wrong shape"] = (rewrite(src, d / "shape.gguf", replace={"blk.2.attn_q_a.weight": (
+        np.zeros((128, 256), np.float32), Q.F32)}), "blk.2.attn_q_a.weight", "shape")
+    for qtype in (Q.TQ1_0, Q.IQ2_XXS, Q.Q8_1):
+        out[f"unsupported {qtype.name}"] = (
+            rewrite(src, d / f"{qtype.name}.gguf",
+                    replace={"blk.0.attn_q_a.weight": (_raw(256, 256, qtype), qtype)}),
+            "blk.0.attn_q_a.weight", qtype.name)
+    unknown = rewrite(src, d / "unknown_type.gguf", replace={"blk.0.attn_q_a.weight": (_raw(256, 256, Q.Q8_0),
+                                                                                        Q.Q8_0)})
+    _patch_tensor_type(unknown, "blk.0.attn_q_a.weight", 250)
+    out["unknown type id"] = (unknown, "blk.0.attn_q_a.weight", "250")
+
+    nan = d / "nan_scale.gguf"
+    shutil.copy(tiny_checkpoint, nan)
+    t = GGUFModel(tiny_checkpoint)["blk.1.attn_k_b.weight"]
+    assert t.qtype == Q.Q8_0
+    block_bytes = GGML_QUANT_SIZES[Q.Q8_0][1]
+    with open(nan, "r+b") as fh:  # the fp16 scale d of block 3 := NaN
+        fh.seek(t.data_offset + 3 * block_bytes)
+        fh.write(struct.pack("<H", 0x7E00))
+    out["NaN scale"] = (nan, "blk.1.attn_k_b.weight", "non-finite")
+    out["metadata"] = (rewrite(src, d / "metadata.gguf", set_keys={"glm-dsa.attention.key_length": 999}), None,
+                       "key_length=999")
+    out["no such file"] = (d / "nope.gguf", None, "no such file")
+    return out
+
+
+CASES = ["truncated", "missing shard", "foreign arch", "missing tensor", "extra tensor", "wrong shape",
+         "unsupported TQ1_0", "unsupported IQ2_XXS", "unsupported Q8_1", "unknown type id", "NaN scale", "metadata",
+         "no such file"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_verify_gives_one_line_naming_file_and_tensor(case, bad, capsys):
+    path, tensor, words = bad[case]
+    rc = main(["verify", str(path)])
+    out, err = capsys.readouterr()
+    assert rc != 0
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1, out
+    line = fails[0]
+    named_file = path.name if case != "missing shard" else path.name.replace("00001-of", "00002-of")
+    assert named_file in line and words in line, line
+    if tensor is not None:
+        assert tensor in line, line
+    assert "Traceback" not in out + err and err == ""
+    assert out.splitlines()[-1].startswith("verify: FAILED")
+
+
+OPEN_FAILURES = ["truncated", "missing shard", "unknown type id", "no such file"]
+
+
+@pytest.mark.parametrize("case", OPEN_FAILURES)
+def test_inspect_gives_one_line_and_exit_2(case, bad, capsys):
+    path, tensor, words = bad[case]
+    assert main(["inspect", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+    if tensor is not None:
+        assert tensor in err
+
+
+def test_unsupported_type_is_listed_by_inspect(bad, capsys):
+    path, tensor, _ = bad["unsupported TQ1_0"]
+    assert main(["inspect", "--json", str(path)]) == 0
+    assert '"TQ1_0"' in capsys.readouterr().out
+
+
+def test_console_script_prints_no_traceback(bad):
+    path, tensor, _ = bad["truncated"]
+    proc = subprocess.run([sys.executable, "-m", "glm5serve.cli", "inspect", str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and tensor in proc.stderr and "Traceback" not in proc.stderr

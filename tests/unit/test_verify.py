@@ -1,0 +1,130 @@
+"""``glm5serve verify``: passes on what make-checkpoint writes, accepts what llama.cpp's loader accepts, and finds
+TP incompatibilities, inconsistent metadata and non-finite values (sampled rows for large tensors)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from glm5serve import schema, verify as verify_mod
+from glm5serve.config import config_from_metadata
+from glm5serve.checkpoint import make_checkpoint
+from glm5serve.dequant import dequantize_tensor
+from glm5serve.gguf_file import GGUFModel
+from glm5serve.quantize import quantize
+from glm5serve.verify import verify
+
+CHECK_NAMES = ["files", "metadata", "tokenizer", "tensors", "types", "tp", "finite"]
+# the header-only checks: enough where values are not what a test is about (the finite check dequantizes all)
+HEADER = [verify_mod.check_open, verify_mod.check_metadata, verify_mod.check_tensors, verify_mod.check_types,
+          verify_mod.check_tp]
+
+
+def _failures(results):
+    return [c.line() for c in results if not c.ok]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_checkpoint", "tiny_bf16_checkpoint", "tiny_f32_checkpoint",
+                                     "tiny_split_checkpoint"])
+def test_passes_on_every_tiny_checkpoint(fixture, request):
+    path = request.getfixturevalue(fixture)
+    results = verify(path, 4)  # the preset's largest TP; every check runs
+    assert [c.name for c in results] == CHECK_NAMES
+    assert not _failures(results)
+    n_files = len(GGUFModel(path).paths)
+    assert results[0].detail.startswith(f"{n_files} files" if n_files > 1 else path.name)
+    assert "94 tensors" in results[0].detail
+    m = GGUFModel(path)
+    cfg = config_from_metadata(m)
+    specs = {s.gguf_name: s for s in schema.expected_tensors(cfg)}
+    for tp in (1, 2):
+        assert verify_mod.tp_problems(cfg, m, specs, tp) == []
+
+
+def test_tp8_is_refused_for_four_heads(tiny_checkpoint):
+    results = verify(tiny_checkpoint, 8, HEADER)
+    assert [c.name for c in results if not c.ok] == ["tp"]
+    assert "head_count=4 does not divide by TP=8" in _failures(results)[0]
+
+
+def test_row_parallel_k_quant_blocks_must_not_straddle_ranks(tiny_bf16_checkpoint, tmp_path, gguf_rewrite):
+    """attn_output (row 256) in Q4_K is one 256-block per row: fine at TP 1, split across ranks at TP 2."""
+    m = GGUFModel(tiny_bf16_checkpoint)
+    name = "blk.2.attn_output.weight"
+    q4k = quantize(dequantize_tensor(m[name]).numpy(), Q.Q4_K)
+    path = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / "q4k_o.gguf", replace={name: (q4k, Q.Q4_K)})
+    assert not _failures(verify(path, 1, HEADER))
+    (line,) = _failures(verify(path, 2, HEADER))
+    assert name in line and "Q4_K" in line and line.startswith("FAIL  tp")
+
+
+def test_optional_tensors_are_accepted(tmp_path):
+    path = make_checkpoint(tmp_path, "tiny", "bf16", mtp_shared_tensors=True)
+    m = GGUFModel(path)
+    assert "blk.3.nextn.embed_tokens.weight" in m and "blk.3.nextn.shared_head_head.weight" in m
+    results = verify(path, 1, HEADER)
+    assert not _failures(results)
+    assert "2 optional" in results[2].detail
+
+
+def test_shared_indexer_layers_may_omit_their_indexer(tmp_path, gguf_rewrite):
+    path = make_checkpoint(tmp_path, "tiny", "bf16", indexer_types=["full", "shared", "shared"])
+    assert "blk.2.indexer.proj.weight" not in GGUFModel(path)
+    assert not _failures(verify(path, 1, HEADER))
+    bad = gguf_rewrite(path, tmp_path / "first_shared.gguf",
+                  set_keys={"glm-dsa.attention.indexer.types": [False, True, True]})
+    (line,) = _failures(verify(bad))
+    assert "layer 0 is 'shared'" in line
+
+
+def test_missing_gating_func_means_sigmoid(tiny_bf16_checkpoint, tmp_path, gguf_rewrite):
+    path = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / "nogating.gguf",
+                        drop_keys={"glm-dsa.expert_gating_func"})
+    results = verify(path, 1, HEADER)
+    assert not _failures(results)
+    assert "expert_gating_func absent: sigmoid" in results[1].detail
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("glm-dsa.attention.value_length", 7, "value_length=7"),
+    ("glm-dsa.expert_used_count", 17, "expert_used_count=17"),
+    ("glm-dsa.vocab_size", 500, "vocab_size=500 but tokenizer.ggml.tokens holds 512"),
+])
+def test_inconsistent_metadata(key, value, words, tiny_bf16_checkpoint, tmp_path, gguf_rewrite):
+    path = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / "md.gguf", set_keys={key: value})
+    (line,) = _failures(verify(path))
+    assert words in line and path.name in line
+
+
+def test_large_tensors_are_sampled_and_still_checked(tiny_f32_checkpoint, tmp_path, monkeypatch,
+                                                     gguf_rewrite):
+    m = GGUFModel(tiny_f32_checkpoint)
+    name = "blk.1.ffn_up_exps.weight"  # (16, 256, 256) F32: 4096 rows
+    values = np.array(m[name].data, dtype=np.float32)
+    values[-1, -1, 3] = np.inf  # the last row is always among the samples
+    path = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "inf.gguf", replace={name: (values, Q.F32)})
+    monkeypatch.setattr(verify_mod, "FULL_CHECK_BYTES", 1 << 20)
+    import glm5serve.dequant as dq
+
+    read_rows, real = [], dq.dequantize
+
+    def spy(data, qtype, *a, **k):
+        read_rows.append(np.asarray(data).reshape(-1, np.asarray(data).shape[-1]).shape[0])
+        return real(data, qtype, *a, **k)
+
+    monkeypatch.setattr(dq, "dequantize", spy)
+    (line,) = _failures(verify(path))
+    assert name in line and "row 4095" in line and "non-finite" in line
+    assert 16 * 256 not in read_rows  # the 4 MiB expert tensors were sampled, not read whole
+    assert verify_mod.SAMPLE_ROWS in read_rows
+
+
+def test_sample_rows_cover_both_ends():
+    rows = verify_mod._sample_rows(10_000)
+    assert rows[0] == 0 and rows[-1] == 9999 and len(rows) == verify_mod.SAMPLE_ROWS
+    assert list(verify_mod._sample_rows(3)) == [0, 1, 2]
+
+
+def test_check_lines_are_single_lines(tiny_checkpoint):
+    results = verify(tiny_checkpoint, 8, HEADER)
+    assert all("\n" not in c.line() for c in results) and len(results) == len(HEADER)
