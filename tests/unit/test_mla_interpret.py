@@ -29,6 +29,24 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                             "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"interpreted MLA tests failed:\n{r.stdout[-12000:]}\n{r.stderr[-3000:]}"
 
+    def test_import_is_light():
+        """Importing glm5serve.mla (and the kernels' reference) imports neither vLLM nor, for the package, Triton."""
+        code = ("import sys, glm5serve, glm5serve.mla; assert 'triton' not in sys.modules and 'vllm' not in sys.modules;"
+                "from glm5serve.mla import triton_mla; assert 'vllm' not in sys.modules")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    if os.environ.get("GLM5SERVE_VLLM025_PATH"):  # a folder holding vLLM 0.25's ``vllm`` package (source)
+
+        def test_backend_under_vllm_025():
+            root = Path(__file__).resolve().parents[2]
+            env = {**os.environ, "TRITON_INTERPRET": "1",
+                   "PYTHONPATH": os.pathsep.join([os.environ["GLM5SERVE_VLLM025_PATH"], os.environ.get("PYTHONPATH", "")])}
+            r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x", "-k",
+                                "backend or scratch", "-p", "no:cacheprovider"], cwd=root, env=env,
+                               capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0 and "passed" in r.stdout, f"{r.stdout[-12000:]}\n{r.stderr[-3000:]}"
+
 else:
     import numpy as np
     import torch
@@ -209,3 +227,176 @@ else:
             mla_decode(b.q_nope.half(), b.q_pe.half(), b.kv_cache, b.scale, **b.decode_kwargs())
         with pytest.raises(ValueError, match="kv_cache"):
             mla_decode(b.q_nope, b.q_pe[..., :8], b.kv_cache, b.scale, **b.decode_kwargs())
+
+    # -----------------------------------------------------------------------------------------------------------
+    # The vLLM backend (whichever vLLM is importable: 0.33 here, 0.25 with GLM5SERVE_VLLM025_PATH)
+    # -----------------------------------------------------------------------------------------------------------
+
+    def _selector_config(**kw):
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+
+        base = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, use_mla=True,
+                    use_sparse=True)
+        return AttentionSelectorConfig(**{**base, **kw})
+
+    def test_backend_registers_as_custom():
+        """register_backend() makes CUSTOM resolve to the backend (what ``--attention-backend CUSTOM`` does: the
+        CUDA platform resolves the enum's class and runs its validate_configuration)."""
+        pytest.importorskip("vllm")
+        from vllm.platforms.interface import DeviceCapability
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        from glm5serve.mla import BACKEND_CLASS, register_backend
+        from glm5serve.mla.backend import TritonMLASparseBackend
+
+        register_backend()
+        register_backend()  # idempotent
+        assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_CLASS
+        assert AttentionBackendEnum.CUSTOM.get_class() is TritonMLASparseBackend
+        assert AttentionBackendEnum[TritonMLASparseBackend.get_name()] is AttentionBackendEnum.CUSTOM
+        assert TritonMLASparseBackend.validate_configuration(device_capability=DeviceCapability(9, 0),
+                                                             **_selector_config()._asdict()) == []
+
+    @pytest.mark.parametrize("cap, kw, reason", [
+        ((9, 0), {}, None), ((8, 0), dict(head_size=96, dtype=torch.float16), None), ((12, 0), {}, None),
+        ((10, 0), dict(kv_cache_dtype="bfloat16", block_size=16), None),
+        ((7, 5), {}, "compute capability not supported"), ((9, 0), dict(use_mla=False), "MLA not supported"),
+        ((9, 0), dict(use_sparse=False), "non-sparse not supported"),
+        ((9, 0), dict(kv_cache_dtype="fp8"), "fp16/bf16 KV cache"),
+        ((9, 0), dict(dtype=torch.float32), "dtype not supported"),
+    ])
+    def test_backend_validate_configuration(cap, kw, reason):
+        pytest.importorskip("vllm")
+        from vllm.platforms.interface import DeviceCapability
+
+        from glm5serve.mla.backend import TritonMLASparseBackend
+
+        reasons = TritonMLASparseBackend.validate_configuration(device_capability=DeviceCapability(*cap),
+                                                                **_selector_config(**kw)._asdict())
+        assert (reasons == []) if reason is None else any(reason in r for r in reasons), reasons
+
+    @pytest.mark.parametrize("index_topk, dcp, reason", [(2048, 1, None), (None, 1, "index_topk"),
+                                                          (64, 2, "decode context parallelism")])
+    def test_backend_model_checks(monkeypatch, index_topk, dcp, reason):
+        """supports_combination reads the current vLLM config: a DSA model, no DCP."""
+        pytest.importorskip("vllm")
+        import types
+
+        import vllm.config
+
+        from glm5serve.mla.backend import TritonMLASparseBackend
+
+        text = types.SimpleNamespace(kv_lora_rank=512, **({} if index_topk is None else {"index_topk": index_topk}))
+        cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=text, hf_config=text),
+                                    parallel_config=types.SimpleNamespace(decode_context_parallel_size=dcp),
+                                    attention_config=types.SimpleNamespace(hisparse_config=None))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: cfg)
+        got = TritonMLASparseBackend.supports_combination(576, torch.bfloat16, "auto", None, True, False, True, False,
+                                                          None)
+        assert got is None if reason is None else reason in got
+
+    def test_backend_builder(monkeypatch):
+        """UNIFORM_BATCH CUDA graphs; on vLLM 0.25 the own builder maps tokens to requests (padding -> 0)."""
+        pytest.importorskip("vllm")
+        import types
+
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        from glm5serve.mla import backend
+
+        assert backend.TritonMLASparseMetadataBuilder.get_cudagraph_support(None, None) == \
+            AttentionCGSupport.UNIFORM_BATCH
+        if backend.HAS_SPARSE_COMMON:
+            from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadataBuilder
+
+            assert issubclass(backend.TritonMLASparseMetadataBuilder, SparseMLACommonMetadataBuilder)
+            return
+        monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)  # no driver here
+        ns = types.SimpleNamespace
+        vcfg = ns(scheduler_config=ns(max_num_batched_tokens=16), speculative_config=None,
+                  parallel_config=ns(decode_context_parallel_size=1),
+                  model_config=ns(hf_config=ns(index_topk=32)))
+        builder = backend.TritonMLASparseMetadataBuilder(ns(block_size=16), ["l0"], vcfg, torch.device("cpu"))
+        cm = ns(query_start_loc_cpu=torch.tensor([0, 1, 4, 6], dtype=torch.int32), num_reqs=3, max_query_len=3,
+                max_seq_len=50, num_actual_tokens=8, query_start_loc=None, slot_mapping=None,
+                block_table_tensor=torch.zeros(3, 4, dtype=torch.int32))
+        md = builder.build(0, cm)
+        assert md.req_id_per_token.tolist() == [0, 1, 1, 1, 2, 2, 0, 0]
+        assert (md.block_size, md.topk_tokens) == (16, 32)
+
+    @pytest.mark.parametrize("need_lse", [False, True])
+    def test_backend_forward_mqa_runs_the_kernel(need_lse):
+        """The impl's forward_mqa on vLLM's inputs (ql_nope as the transposed bmm output, a top-k buffer longer than
+        the batch, token -> request map) == reference; the lse is returned only when vLLM asks for it."""
+        pytest.importorskip("vllm")
+        import types
+
+        from glm5serve.mla import backend
+
+        b = make_batch([13, 30, 7], [1, 2, 1], 5, 32, 16, 8, torch.bfloat16, topk=16, scatter_pad=True,
+                       topk_fill=0.8, seed=2)
+        impl = object.__new__(backend.TritonMLASparseImpl)  # the attributes forward_mqa reads, no vLLM config
+        impl.num_heads, impl.kv_lora_rank, impl.scale = 5, 32, b.scale
+        impl.need_to_return_lse_for_decode = need_lse
+        impl.topk_indices_buffer = torch.cat([b.topk, torch.full((3, 16), 7, dtype=torch.int32)])
+        impl._init_triton()
+        ql_nope = b.q_nope.transpose(0, 1).contiguous().transpose(0, 1)  # (B, N, L) view of an (N, B, L) bmm
+        md = types.SimpleNamespace(block_table=b.block_table,
+                                   req_id_per_token=torch.cat([b.req_ids, torch.zeros(3, dtype=torch.int32)]))
+        out, lse = impl.forward_mqa((ql_nope, b.q_pe), b.kv_cache, md, None)
+        ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
+        torch.testing.assert_close(out.float(), ref_out, **TOL[torch.bfloat16])
+        assert (lse is not None) == need_lse
+        if need_lse:
+            torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+        out2, _ = impl.forward_mqa(torch.cat([b.q_nope, b.q_pe], -1), b.kv_cache, md, None)  # fused q
+        assert torch.equal(out2, out)
+
+    def test_split_scratch_bound():
+        """The shared split-K scratch covers every batch size the default split choice can produce."""
+        from glm5serve.mla.backend import scratch_numel
+        from glm5serve.mla.triton_mla import default_num_splits, split_workspace_numel
+
+        cpu = torch.device("cpu")  # 4 "SMs"
+        for H in (1, 3, 8, 16, 17, 64, 128):
+            for T in range(1, 200):
+                for keys in (1, 64, 2048):
+                    need = split_workspace_numel(T, H, default_num_splits(T, H, keys, cpu), 512)
+                    assert need <= scratch_numel(H, 512, 4), (T, H, keys)
+
+    def test_select_backend(monkeypatch):
+        """CUSTOM is chosen for a DSA model only when vLLM's selector finds no sparse backend or the dims are not
+        512 + 64, and never over the user's choice."""
+        pytest.importorskip("vllm")
+        import types
+
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        import glm5serve.mla as mla
+
+        def config(dims=(512, 64), topk=2048, backend=None):
+            text = types.SimpleNamespace(kv_lora_rank=dims[0], qk_rope_head_dim=dims[1], index_topk=topk)
+            mc = types.SimpleNamespace(hf_text_config=text, use_mla=True, dtype=torch.bfloat16,
+                                       get_head_size=lambda: sum(dims), get_num_attention_heads=lambda p: 8)
+            return types.SimpleNamespace(model_config=mc, cache_config=types.SimpleNamespace(cache_dtype="auto"),
+                                         parallel_config=None, attention_config=types.SimpleNamespace(backend=backend))
+
+        def no_backend(*a, **k):
+            raise ValueError("No valid attention backend")
+
+        monkeypatch.setattr("vllm.config.set_current_vllm_config", lambda cfg: __import__("contextlib").nullcontext())
+        monkeypatch.setattr(type(current_platform), "get_attn_backend_cls",
+                            classmethod(lambda cls, *a, **k: "vllm.FlashMLASparse"))
+        c = config()
+        assert not mla.select_backend(c) and c.attention_config.backend is None
+        c = config(dims=(256, 32))
+        assert mla.select_backend(c) and c.attention_config.backend is AttentionBackendEnum.CUSTOM
+        c = config(dims=(256, 32), backend=AttentionBackendEnum.TRITON_MLA)
+        assert not mla.select_backend(c) and c.attention_config.backend is AttentionBackendEnum.TRITON_MLA
+        monkeypatch.setattr(type(current_platform), "get_attn_backend_cls", classmethod(no_backend))
+        c = config()
+        assert mla.select_backend(c) and c.attention_config.backend is AttentionBackendEnum.CUSTOM
+        c = config(topk=None)
+        del c.model_config.hf_text_config.index_topk
+        assert not mla.select_backend(c)
