@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
