@@ -168,6 +168,16 @@ else:
         ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **kw)
         _assert_matches(dirty[0], dirty[1], ref_out, ref_lse, b.num_real, torch.bfloat16)
 
+    def test_stale_topk_rows_stay_in_bounds():
+        """Padding rows whose top-k lists hold stale or uninitialised positions (huge, past the block table) read
+        nothing outside the cache, and the real rows are untouched."""
+        b = make_batch([9, 20], [1, 1], 3, 32, 16, 4, torch.bfloat16, topk=8, pad_tokens=2, seed=4)
+        b.topk[b.num_real:] = torch.tensor([[2**31 - 1, 10**6, 5 * 4, 4 * 5 - 1, -7, -1, 3, 0]] * 2,
+                                           dtype=torch.int32)
+        out, lse = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, num_splits=2, **b.decode_kwargs())
+        ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
+        _assert_matches(out, lse, ref_out, ref_lse, b.num_real, torch.bfloat16)
+
     def test_dense_reads_nothing_past_kv_len():
         """Dense decode: the rows past each token's kv_len (same block, later blocks, spare blocks) are NaN by
         construction; outputs are finite and equal the reference."""

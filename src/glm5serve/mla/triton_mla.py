@@ -65,7 +65,7 @@ def _mla_decode_kernel(
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_kv_blk, stride_kv_tok, stride_bt, stride_topk,
     stride_o_t, stride_o_h, stride_o_s, stride_l_t, stride_l_h, stride_l_s,
-    qk_scale, num_heads, num_topk,
+    qk_scale, num_heads, num_topk, max_pos,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     SPARSE: tl.constexpr, PHYSICAL: tl.constexpr, HAS_REQ: tl.constexpr, HAS_KVLEN: tl.constexpr,
@@ -113,6 +113,8 @@ def _mla_decode_kernel(
         if SPARSE:
             pos = tl.load(TOPK + t64 * stride_topk + offs_n, mask=valid, other=-1)
             valid = valid & (pos >= 0)
+            if not PHYSICAL:  # stale lists of CUDA-graph padding rows must stay inside the block table
+                valid = valid & (pos < max_pos)
             if HAS_KVLEN:
                 valid = valid & (pos < kv_len)
         else:
@@ -314,7 +316,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         kv_lens: (T,) int32, keys visible to each token: dense keys are positions ``0 .. kv_lens[t] - 1``
             (required when dense); sparse positions ``>= kv_lens[t]`` are dropped (optional, logical only).
         req_ids: (T,) int32 row of ``block_table`` for each token; ``None`` means token t is request t.
-        topk_indices: (T, topk) int32 key positions within the sequence (or physical rows), ``-1`` = unused.
+        topk_indices: (T, topk) int32 key positions within the sequence (or physical rows), ``-1`` = unused;
+            logical positions past the block table (``>= block_table.shape[1] * block_size``) count as unused
+            too, so stale lists in CUDA-graph padding rows cannot read outside the cache.
         num_splits: split-K factor; default :func:`default_num_splits`. ``out``/``lse``/``workspace``:
             preallocated outputs and fp32 scratch of :func:`split_workspace_numel` elements (CUDA graphs).
 
@@ -366,7 +370,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache.stride(0), kv_cache.stride(1), bt.stride(0) if block_table is not None else 0,
         topk_indices.stride(0) if sparse else 0,
         o_t, o_h, o_s, l_t, l_h, l_s,
-        scale * _LOG2E, H, num_topk,
+        scale * _LOG2E, H, num_topk, block_table.shape[1] * kv_cache.shape[1] if block_table is not None else 0,
         L=L, R=R, BLOCK_L=_pow2(L), BLOCK_R=_pow2(R),
         BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1],
         SPARSE=sparse, PHYSICAL=physical, HAS_REQ=req_ids is not None, HAS_KVLEN=kv_lens is not None,
@@ -445,6 +449,8 @@ def reference_key_rows(kv_cache: torch.Tensor, t: int, *, block_table=None, kv_l
     else:
         pos = topk_indices[t].long().cpu()
         pos = pos[pos >= 0]
+        if block_table is not None:
+            pos = pos[pos < block_table.shape[1] * kv_cache.shape[1]]
         if kv_lens is not None:
             pos = pos[pos < int(kv_lens[t])]
     if topk_indices is not None and block_table is None:
