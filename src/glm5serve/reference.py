@@ -2,8 +2,8 @@
 
 An oracle that shares no code with vLLM or its GGUF plugin: weights are dequantized with glm5serve's own
 dequantizers and the model is written out op by op after transformers'
-``models/glm_moe_dsa/modeling_glm_moe_dsa.py`` (the semantics are summarised in ``docs/glm5-gguf.md``,
-"Forward semantics"). One sequence at a time, no batching, CPU or GPU.
+``models/glm_moe_dsa/modeling_glm_moe_dsa.py``, with the papers' notation in comments (DeepSeek-V2 for MLA,
+DeepSeek-V3 for the router, DeepSeek-V3.2 for the DSA indexer). One sequence at a time, no batching, CPU or GPU.
 
 Per layer (pre-norm residual blocks)::
 
@@ -29,6 +29,8 @@ Deliberate choices, all selectable:
 * DSA ties: the indexer keeps the ``min(index_topk, t+1)`` best causal keys of query ``t``; equal scores are broken
   towards the lower position (a stable sort). transformers (``torch.topk``) and llama.cpp (``std::partial_sort``)
   leave tie order unspecified, so only inputs without a tie at the selection boundary are comparable.
+* Numerics otherwise as transformers in fp32. In bf16 the indexer's ``k_norm`` LayerNorm runs in fp32 (transformers
+  runs ``nn.LayerNorm`` in the model dtype); routed-expert outputs are summed in a different order.
 """
 from __future__ import annotations
 
@@ -105,9 +107,9 @@ class KVCache:
 
     n_layers: int
     length: int = 0
-    latent: list = field(default_factory=list)
-    k_rope: list = field(default_factory=list)
-    index_k: list = field(default_factory=list)
+    latent: list = field(init=False)
+    k_rope: list = field(init=False)
+    index_k: list = field(init=False)
 
     def __post_init__(self):
         self.latent, self.k_rope, self.index_k = ([None] * self.n_layers for _ in range(3))
@@ -136,7 +138,7 @@ class ReferenceModel:
             raise ValueError(f"mla must be one of {MLA_MODES}, not {mla!r}")
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only the default RoPE (GLM-5) is implemented")
+            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only GLM-5's default RoPE is implemented")
         self.cfg, self.w = cfg, weights
         self.mla, self.sparse = mla, sparse
         self.qa_kv_norm_eps = float(cfg.rms_norm_eps if qa_kv_norm_eps == "rms_norm_eps" else qa_kv_norm_eps)
@@ -165,7 +167,8 @@ class ReferenceModel:
         Every tensor of the main model is checked against :func:`glm5serve.schema.expected_tensors` (presence,
         shape, quant type), dequantized to fp32, re-fused into the HF parameter (``attn_k_b``+``attn_v_b`` →
         ``kv_b_proj`` by :func:`~glm5serve.schema.merge_kv_b`, ``ffn_gate_exps``+``ffn_up_exps`` →
-        ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights at least fp32).
+        ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights: at least
+        fp32).
         The MTP block is checked likewise and then ignored, as llama.cpp's glm-dsa graph does. ``options`` go to
         the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input.
         """
@@ -176,6 +179,9 @@ class ReferenceModel:
 
         gguf = GGUFModel(path)
         cfg = config_from_metadata(gguf)
+        if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
+            raise GGUFModelError(f"expert gating {cfg.scoring_func}: GLM-5 routes with sigmoid, the only gating "
+                                 "the reference implements", file=str(gguf.path))
         for spec in expected_tensors(cfg):
             if spec.gguf_name not in gguf:
                 if spec.required:

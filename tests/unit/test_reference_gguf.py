@@ -60,7 +60,7 @@ def test_hidden_states_match_transformers_layer_by_layer(tiny, twin, tok, text):
 
 
 def test_greedy_generation_matches_transformers(tiny, twin, tok):
-    for text in SHORT[:2] + LONG[:2]:
+    for text in SHORT[:1] + LONG[:2]:
         ids = tok.encode(text)
         expected = twin.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)[0, len(ids):].tolist()
