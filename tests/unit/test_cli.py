@@ -1,0 +1,98 @@
+"""The ``glm5serve`` command line: make-checkpoint, inspect (table and JSON), verify, the default model, and the
+sub-command registry."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from glm5serve import cli
+from glm5serve.cli import build_parser, main
+
+
+def test_make_checkpoint_writes_a_split_set(tmp_path, capsys):
+    assert main(["make-checkpoint", str(tmp_path), "--preset", "tiny", "--mix", "f32", "--split", "2",
+                 "--seed", "3"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == str(tmp_path / "glm5-tiny-f32-s3-00001-of-00002.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["glm5-tiny-f32-s3-00001-of-00002.gguf",
+                                                          "glm5-tiny-f32-s3-00002-of-00002.gguf"]
+    assert main(["verify", printed]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verify: OK")
+
+
+def test_make_checkpoint_bad_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["make-checkpoint", str(tmp_path), "--preset", "huge"])
+    assert "invalid choice: 'huge'" in capsys.readouterr().err
+    assert main(["make-checkpoint", str(tmp_path), "--split", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot split" in err
+
+
+def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
+    assert main(["inspect", "--json", str(tiny_split_checkpoint)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    readers = [GGUFReader(p) for p in got["summary"]["files"]]
+    tensors = [t for r in readers for t in r.tensors]
+    assert [t["name"] for t in got["tensors"]] == [t.name for t in tensors]
+    assert [t["shape"] for t in got["tensors"]] == [[int(x) for x in reversed(t.shape)] for t in tensors]
+    assert [t["type"] for t in got["tensors"]] == [t.tensor_type.name for t in tensors]
+    s = got["summary"]
+    assert len(s["files"]) == 3 and s["tensors"] == len(tensors) == 94
+    assert s["parameters"] == sum(int(np.prod(t.shape)) for t in tensors)
+    assert s["bytes"] == sum(int(t.n_bytes) for t in tensors) == sum(s["bytes_per_type"].values())
+    assert sum(s["tensors_per_type"].values()) == 94
+    assert (s["layers"], s["mtp_layers"], s["experts"], s["experts_used"], s["shared_experts"]) == (3, 1, 16, 2, 1)
+
+
+def test_inspect_table_lists_every_tensor(tiny_checkpoint, capsys):
+    assert main(["inspect", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    for t in GGUFReader(tiny_checkpoint).tensors:
+        assert t.name in out
+    assert "summary" in out and "16 routed (top-2) + 1 shared" in out and "3 + 1 MTP" in out
+
+
+def test_no_model_means_the_embedded_default(tiny_checkpoint, monkeypatch, capsys):
+    calls = []
+
+    def default():
+        calls.append(1)
+        return tiny_checkpoint
+
+    monkeypatch.setattr("glm5serve.cache.default_checkpoint", default)
+    assert main(["inspect", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["files"] == [str(tiny_checkpoint)]
+    assert main(["verify"]) == 0
+    assert str(tiny_checkpoint) in capsys.readouterr().out.splitlines()[-1]
+    assert len(calls) == 2
+
+
+def test_verify_tp_option(tiny_checkpoint, capsys):
+    assert main(["verify", str(tiny_checkpoint), "--tp", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  tp" in out and out.splitlines()[-1].startswith("verify: FAILED (6/7 checks passed, TP=8)")
+    assert main(["verify", str(tiny_checkpoint), "--tp", "0"]) == 2
+
+
+def test_missing_command_modules_are_skipped(monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "glm5serve.no_such_command"))
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"make-checkpoint", "inspect", "verify"} <= set(commands)
+
+
+def test_a_broken_command_module_is_not_hidden(monkeypatch, tmp_path):
+    (tmp_path / "glm5serve_broken_cmd.py").write_text("import glm5serve_dependency_that_is_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("glm5serve_broken_cmd",))
+    with pytest.raises(ModuleNotFoundError, match="glm5serve_dependency_that_is_missing"):
+        build_parser()
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
