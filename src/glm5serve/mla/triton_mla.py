@@ -70,9 +70,11 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     SPARSE: tl.constexpr, PHYSICAL: tl.constexpr, HAS_REQ: tl.constexpr, HAS_KVLEN: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
+    # Head tiles of one token are neighbours in launch order, so they meet the same cache rows in L2.
+    num_hb = tl.cdiv(num_heads, BLOCK_H)
+    t = tl.program_id(0) // num_hb
+    hb = tl.program_id(0) % num_hb
+    split = tl.program_id(1)
     t64 = t.to(tl.int64)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -362,7 +364,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     # Absent int32 operands are never read (constexpr flags); any int32 tensor at hand stands in for them.
     dummy = block_table if block_table is not None else topk_indices
     bt = dummy
-    grid = (T, triton.cdiv(H, BLOCK_H), num_splits)
+    grid = (T * triton.cdiv(H, BLOCK_H), num_splits)
     _mla_decode_kernel[grid](
         q_nope, q_pe, kv_cache, bt, req_ids if req_ids is not None else dummy,
         kv_lens if kv_lens is not None else dummy, topk_indices if sparse else dummy, dst, dst_lse,
