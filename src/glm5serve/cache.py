@@ -2,21 +2,24 @@
 
 A cached checkpoint lives in a directory named after its arguments and a digest of the code that writes it
 (checkpoint, tokenizer, corpus, schema, config and quantizer modules, gguf-py's version), so a change to any of them
-builds a fresh one. Building happens in a temporary directory renamed into place, so concurrent builders (parallel
-test sessions) never see a half-written file.
+builds a fresh one (stale ones are deleted after a day unused). Building happens in a temporary directory renamed
+into place, so concurrent builders (parallel test sessions) never see a half-written file.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
 import gguf
 
+STALE_AFTER_S = 24 * 3600
 _SOURCES = ("checkpoint", "tokenizer", "_corpus", "schema", "config", "quantize")
 
 
@@ -45,9 +48,12 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
     from glm5serve.checkpoint import checkpoint_name, make_checkpoint
 
     extra = "".join(f"-{k}={'+'.join(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(options.items()))
-    target = cache_dir() / "checkpoints" / f"{checkpoint_name(preset, mix, seed)}-x{split}{extra}-{code_digest()}"
+    stem = f"{checkpoint_name(preset, mix, seed)}-x{split}{extra}-"
+    target = cache_dir() / "checkpoints" / f"{stem}{code_digest()}"
     done = target / "COMPLETE"
-    if not done.is_file():
+    if done.is_file():
+        os.utime(target)  # in use: not stale
+    else:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
         try:
@@ -60,6 +66,12 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        # the same checkpoint written by older code, or a crashed build, unused for a day
+        for stale in [*target.parent.glob(f"{stem}*"), *target.parent.glob(".build-*")]:
+            older_code = re.fullmatch(r"[0-9a-f]{12}", stale.name[len(stem):]) and stale != target
+            if (older_code or stale.name.startswith(".build-")) and \
+                    time.time() - stale.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(stale, ignore_errors=True)
     return target / done.read_text().strip()
 
 

@@ -2,6 +2,8 @@
 split), the quant mixes, split sets, logit margins / indexer ties, and llama.cpp accepting (and agreeing with) them."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -301,13 +303,21 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
     from glm5serve.checkpoint import default_checkpoint
 
     monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path))
+    root = tmp_path / "checkpoints"
+    old, recent = root / "glm5-tiny-ud-q4_k_xl-x1-0123456789ab", root / "glm5-tiny-ud-q4_k_xl-x1-ba9876543210"
+    crashed = root / ".build-xyz"
+    for d in (old, recent, crashed):
+        d.mkdir(parents=True)
+    for d in (old, crashed):
+        os.utime(d, (0, 0))
     first = default_checkpoint()
+    assert not old.exists() and not crashed.exists() and recent.exists()  # stale builds of older code go
     assert first.is_relative_to(tmp_path) and first.name == "glm5-tiny-ud-q4_k_xl.gguf"
     stamp = first.stat().st_mtime_ns
     calls = []
     monkeypatch.setattr("glm5serve.checkpoint.make_checkpoint", lambda *a, **k: calls.append(a))
     assert cache.default_checkpoint() == first and first.stat().st_mtime_ns == stamp and not calls
-    assert not list(first.parent.parent.glob(".build-*"))  # no temporary directory left behind
+    assert not list(root.glob(".build-*"))  # no temporary directory left behind
 
 
 @pytest.mark.slow
