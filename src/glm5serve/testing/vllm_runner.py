@@ -26,8 +26,13 @@ MODES: dict[str, dict] = {
 
 
 def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: int = 1, max_tokens: int = 32,
-        logprobs: int = 5, max_model_len: int = 4096, gpu_memory_utilization: float = 0.4) -> dict:
-    """Generate greedily (``ignore_eos``) for every batch; returns the JSON-able record described above."""
+        logprobs: int = 5, max_model_len: int = 4096, gpu_memory_utilization: float = 0.4,
+        score: list[tuple[list[int], list[int]]] = ()) -> dict:
+    """Generate greedily (``ignore_eos``) for every batch; returns the JSON-able record described above.
+
+    ``score`` holds ``(prompt, continuation)`` token-id pairs: for each, ``scores`` gets the logprob (nats) vLLM
+    gives every continuation token after the prompt (``prompt_logprobs=0`` over prompt + continuation).
+    """
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -45,6 +50,13 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
             "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs],
         } for o in outs])
     t_gen = time.time() - t0
+    scores = []
+    if score:
+        sp1 = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": list(p) + list(c)} for p, c in score], sp1, use_tqdm=False)
+        for (p, c), o in zip(score, outs):
+            full = list(p) + list(c)
+            scores.append([float(o.prompt_logprobs[i][full[i]].logprob) for i in range(len(p), len(full))])
     import vllm
 
     try:
@@ -53,7 +65,7 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         gguf_kernels = f"unknown ({type(e).__name__})"
     return {"vllm": vllm.__version__, "mode": mode, "tp": tp, "gguf_kernels": gguf_kernels,
-            "init_s": round(t_init, 1), "generate_s": round(t_gen, 2), "batches": out_batches}
+            "init_s": round(t_init, 1), "generate_s": round(t_gen, 2), "batches": out_batches, "scores": scores}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--score", help="JSON file: list of [prompt, continuation] token-id pairs to score")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with open(a.batches) as f:
         batches = json.load(f)
+    score = json.load(open(a.score)) if a.score else ()
     rec = run(a.model, batches, mode=a.mode, tp=a.tp, max_tokens=a.max_tokens, logprobs=a.logprobs,
-              max_model_len=a.max_model_len)
+              max_model_len=a.max_model_len, score=score)
     with open(a.out, "w") as f:
         json.dump(rec, f)
     print(f"vllm_runner: {a.mode} tp={a.tp}: init {rec['init_s']} s, generate {rec['generate_s']} s -> {a.out}")
