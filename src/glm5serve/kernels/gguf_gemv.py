@@ -5,23 +5,30 @@ each program dequantizes a tile of ``BLOCK_N`` rows in registers and multiplies 
 Block layouts follow gguf-py ``gguf/quants.py`` (``dequantize_blocks``), which is bit-exact with llama.cpp's
 ``dequantize_row_*`` in ``ggml/src/ggml-quants.c``.
 
-Speed comes from three choices (a decode GEMV is bound by HBM bandwidth, and on Hopper a naive dequantizer is
+Speed comes from four choices (a decode GEMV is bound by HBM bandwidth, and on Hopper a naive dequantizer is
 bound by its instruction count before it reaches that bandwidth):
-- Enough programs: ``BLOCK_N`` rows per program and split-K over a second grid axis (fp32 atomics) so that
-  every SM has several programs streaming weight bytes, whatever the shape.
+- Enough programs: ``BLOCK_N`` rows per program and split-K over a second grid axis so that every SM has
+  several programs streaming weight bytes, whatever the shape.  Split-K stays one launch (no memset, no cast
+  kernel: under CUDA graphs each extra node costs about as much as a small GEMV): each program writes its fp32
+  partial tile, bumps a per-tile counter, and the last to arrive sums the partials in split order
+  (deterministic), writes the output and resets the counter for the next call.
 - Cheap decode: quant codes become floats by OR-ing them into the mantissa of 1.0 (no int->float conversion,
   which runs at a quarter of the FMA rate): ``bits(1.0) | (u << p)`` is ``1 + u * 2**(p - 23)``, and one FMA
   with a per-sub-block scale and offset turns it into the weight.  The per-sub-block scales are decoded once
   per (row, sub-block) and amortised over 16-32 weights.
-- One activation load per ``BLOCK_N`` rows: x is gathered in the order the codes lie in memory.
-
-For M <= 4 the dot products run on the FMA units (elementwise accumulators, reduced once at the end); for
-larger M the dequantized tile is handed to ``tl.dot`` (tensor cores) with x padded to 16 rows.
+- Wide loads: Q4_K/Q5_K are read as int32 words (16-byte vectors), the other types as bytes that Triton
+  vectorises where the block layout allows; each slice of decoded weights covers 16-32 consecutive columns,
+  so the activations are read as contiguous vectors, once per ``BLOCK_N`` rows.
+- For M <= 4 the dot products run on the FMA units (partial sums per 16-32 columns, carried over the K loop);
+  for larger M the dequantized tile goes to ``tl.dot`` (tensor cores) with x padded to 16 rows.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
+from pathlib import Path
 
 import torch
 import triton
@@ -43,7 +50,8 @@ _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters: ``block_n`` rows per program, ``kbs`` quant blocks per row and loop step,
-    ``split_k`` programs along K (partial sums meet through fp32 atomics), ``use_dot`` for tensor cores."""
+    ``split_k`` programs along K (partial sums meet through fp32 atomics), ``use_dot`` for tensor cores
+    (ignored where the MMA cannot run: fp32 activations, ``block_n < 16``, fewer than 16 weights per slice)."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -53,7 +61,7 @@ class GemvConfig:
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
     """(G, T) of the register tile one decode slice produces per row: G groups of T weights each."""
-    return {Q4_K: (4 * kbs, 8), Q5_K: (4 * kbs, 8), Q6_K: (2 * kbs, 16),
+    return {Q4_K: (4 * kbs, 32), Q5_K: (4 * kbs, 32), Q6_K: (2 * kbs, 16),
             Q8_0: (kbs, 32), Q4_0: (kbs, 16), Q5_0: (kbs, 16)}[qtype]
 
 
@@ -107,7 +115,7 @@ def _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask,
                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += x[:, kidx] (*) w.  w: [BN, G, T] fp32 weights; kidx/kmask: [G, T] column of each weight.
 
-    FMA path: acc is [BLOCK_M, BN, G, T] fp32 (reduced after the K loop).  Dot path: acc is [BLOCK_M, BN].
+    FMA path: acc is [BLOCK_M, BN, G] fp32 (reduced over G after the K loop).  Dot path: acc is [BLOCK_M, BN].
     """
     m = tl.arange(0, BLOCK_M)
     mmask = m < m_rows
@@ -124,7 +132,7 @@ def _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask,
         xs = tl.load(x_ptr + m[:, None, None] * stride_xm + kidx[None, :, :],
                      mask=mmask[:, None, None] & kmask[None, :, :], other=0.0,
                      eviction_policy="evict_last").to(tl.float32) * xscale
-        acc += w[None, :, :, :] * xs[:, None, :, :]
+        acc += tl.sum(w[None, :, :, :] * xs[:, None, :, :], axis=3)
     return acc
 
 
@@ -145,12 +153,22 @@ def _kquant_scale_min(h1, h2, h3, sb):
 
 
 @triton.jit
+def _kquant_code(q, qh, BYTE: tl.constexpr, HI: tl.constexpr, P: tl.constexpr, FIVE: tl.constexpr):
+    """Code bits of byte BYTE, nibble HI of each qs word, moved to bits P.. (Q5_K: plus its qh bit on top)."""
+    bits = _shift(q, P - 8 * BYTE - 4 * HI) & (0xF << P)
+    if FIVE:
+        bits = bits | (_shift(qh, P + 4 - 8 * BYTE - HI) & (0x10 << P))
+    return bits
+
+
+@triton.jit
 def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
                    FIVE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Q4_K (FIVE=False, 36 words/block) or Q5_K (FIVE=True, 44 words/block), KBS super-blocks per row.
 
     Word layout: [d|dmin] [scales x3] ([qh x8] for Q5_K) [qs x32].  qs word 8j+t, byte b, nibble hi holds
     element 64j + 32hi + 4t + b (sub-block 2j+hi); Q5_K's 5th bit is bit 2j+hi of qh byte 4t+b.
+    weight = d * scale * u - dmin * min (gguf-py ``Q4_K.dequantize_blocks``).
     """
     WORDS: tl.constexpr = 44 if FIVE else 36
     QS: tl.constexpr = 12 if FIVE else 4
@@ -171,22 +189,22 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale
         qh = tl.load(blk[:, :, None] + 4 + t[None, None, :], mask=wmask[:, :, None], other=0,
                      eviction_policy="evict_first")
         qh = qh >> (2 * j)[None, :, None]  # bit 8b + hi is now the high bit of sub-block 2j+hi, byte b
+    else:
+        qh = q
     d = _f16_lo(h0)
     dmin = _f16_hi(h0)
-    kmask = bmask[:, None] & (t < 8)[None, :]
-    kbase = (kb * 256 + j * 64)[:, None] + (t * 4)[None, :]
+    l = tl.arange(0, 32)
+    kmask = bmask[:, None] & (l < 32)[None, :]
+    kbase = (kb * 256 + j * 64)[:, None] + l[None, :]
     P: tl.constexpr = 18 if FIVE else 19  # code bits P..22
     for hi in tl.static_range(2):
         sc, mn = _kquant_scale_min(h1, h2, h3, 2 * j + hi)
-        a = d * sc
-        b = -(dmin * mn)
-        for byte in tl.static_range(4):
-            bits = _shift(q, P - 8 * byte - 4 * hi) & (0xF << P)
-            if FIVE:
-                bits = bits | (_shift(qh, P + 4 - 8 * byte - hi) & (0x10 << P))
-            w = _weights(bits | _ONE, a, b, P)
-            acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kbase + (32 * hi + byte), kmask,
-                              BLOCK_M, USE_DOT)
+        # byte b of word t is column 4t + b: interleave the four byte lanes into 32 consecutive columns
+        bits = tl.join(tl.join(_kquant_code(q, qh, 0, hi, P, FIVE), _kquant_code(q, qh, 2, hi, P, FIVE)),
+                       tl.join(_kquant_code(q, qh, 1, hi, P, FIVE), _kquant_code(q, qh, 3, hi, P, FIVE)))
+        bits = tl.reshape(bits, [q.shape[0], q.shape[1], 32])
+        w = _weights(bits | _ONE, d * sc, -(dmin * mn), P)
+        acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kbase + 32 * hi, kmask, BLOCK_M, USE_DOT)
     return acc
 
 
@@ -303,12 +321,11 @@ def _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
 
 
 @triton.jit
-def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
-              USE_DOT: tl.constexpr):
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, USE_DOT: tl.constexpr):
     if USE_DOT:
         return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
-        return tl.zeros([BLOCK_M, BLOCK_N, G, T], dtype=tl.float32)
+        return tl.zeros([BLOCK_M, BLOCK_N, G], dtype=tl.float32)
 
 
 @triton.jit
@@ -316,7 +333,7 @@ def _reduce_acc(acc, USE_DOT: tl.constexpr):
     if USE_DOT:
         return acc
     else:
-        return tl.sum(tl.sum(acc, axis=3), axis=2)
+        return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -329,10 +346,12 @@ def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, stride_xm, m_r
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, nb, blocks_per_split,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                  stride_xm, stride_wn, stride_ym,
                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
-                 G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, ATOMIC: tl.constexpr):
+                 G: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Grid (N tiles, SPLIT_K, M tiles).  With SPLIT_K > 1, part_ptr is fp32 [SPLIT_K, M tiles * BLOCK_M, N]
+    scratch and count_ptr int32 [M tiles * N tiles] counters that are zero on entry and left zero on exit."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -340,43 +359,111 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, nb, blocks_per_split,
     rmask = rows < N
     row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     m0 = pid_m * BLOCK_M
-    x_base = x_ptr + m0.to(tl.int64) * stride_xm
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
-    acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_base, stride_xm, M - m0, 1.0,
-                    QTYPE, KBS, BLOCK_M, USE_DOT)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, G, USE_DOT)
+    acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm, stride_xm,
+                    M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT)
     y = _reduce_acc(acc, USE_DOT)
     m = m0 + tl.arange(0, BLOCK_M)
-    y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :]
     ymask = (m < M)[:, None] & rmask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, y, mask=ymask, sem="relaxed")
+    if SPLIT_K > 1:
+        m_pad = tl.num_programs(2) * BLOCK_M
+        tile = m[:, None].to(tl.int64) * N + rows[None, :]
+        tl.store(part_ptr + pid_k * m_pad * N + tile, y, mask=ymask)
+        # release our partial, acquire the others'; the last of the SPLIT_K programs of this tile reduces
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()  # all threads' partial stores precede the (single-thread) release
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
+                y += tl.load(part_ptr + k * m_pad * N + tile, mask=ymask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=ymask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=ymask)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=ymask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
 
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_props(device_index: int) -> tuple[int, str]:
+    p = torch.cuda.get_device_properties(device_index)
+    return p.multi_processor_count, re.sub(r"[^A-Za-z0-9]+", "_", p.name).strip("_")
 
 
 def _device_sms(device: torch.device) -> int:
+    return _device_info(device)[0]
+
+
+def _device_info(device: torch.device) -> tuple[int, str]:
+    """(SM count, device name as in ``tuned/<name>.json``)."""
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 1  # CPU (Triton interpreter): few, large programs interpret fastest
+        return _device_props(device.index if device.index is not None else torch.cuda.current_device())
+    return 1, "cpu"  # Triton interpreter: few, large programs interpret fastest
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[tuple[int, int, int, int], GemvConfig]:
+    """Measured best configs ``{(qtype, M, N, K): GemvConfig}`` from ``tuned/<device_name>.json`` (written by the
+    benchmark's sweep, ``tests/gpu/test_bench_kernels.py``); empty when there is none."""
+    path = TUNED_DIR / f"{device_name}.json"
+    if not path.is_file():
+        return {}
+    table = {}
+    for key, cfg in json.loads(path.read_text())["configs"].items():
+        qtype, m, n, k = (int(v) for v in key.split(","))
+        table[(qtype, m, n, k)] = GemvConfig(**cfg)
+    return table
+
+
+_COUNTER_POOL = 1 << 20
+_counters: dict[torch.device, list] = {}  # device -> [int32 zeros, next free offset]
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 split-K counters (the kernel leaves them zero again).
+
+    Consecutive calls get consecutive slices of one pool, so GEMVs that overlap on different streams (vLLM's
+    shared-expert stream) never share a counter.  The pool is made outside CUDA-graph capture; a call captured
+    before any eager call gets its own zeroed counters (one memset node in the graph).
+    """
+    if n > _COUNTER_POOL:
+        raise ValueError(f"gguf kernels: {n} split-K tiles exceed the counter pool")
+    entry = _counters.get(device)
+    if entry is None:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        entry = _counters[device] = [torch.zeros(_COUNTER_POOL, dtype=torch.int32, device=device), 0]
+    pool, offset = entry
+    if offset + n > _COUNTER_POOL:
+        offset = 0
+    entry[1] = offset + n
+    return pool[offset:offset + n]
 
 
 def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """Heuristic launch parameters for an (M, K) x (N, K)^T product; aims at >= 4 programs per SM."""
+@functools.lru_cache(maxsize=4096)
+def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16,
+                device_name: str = "") -> GemvConfig:
+    """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
+    smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
+    programs per SM."""
+    tuned = tuned_configs(device_name) if device_name else {}
+    for m in sorted({key[1] for key in tuned if key[1] >= M}):
+        cfg = tuned.get((qtype, m, N, K))
+        if cfg is not None and (not cfg.use_dot or dtype in (torch.bfloat16, torch.float16)):
+            return cfg
     qk = BLOCK_SIZES[qtype][0]
     nb = K // qk
     use_dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
@@ -449,17 +536,23 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         x = x.contiguous()
     qk, _ = BLOCK_SIZES[qtype]
     nb = K // qk
-    cfg = config or pick_config(qtype, M, N, K, _device_sms(x.device), x.dtype)
-    use_dot = cfg.use_dot and x.dtype != torch.float32
+    if config is None:
+        sms, device_name = _device_info(x.device)
+        config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
+    G, T = tile_shape(qtype, config.kbs)
+    use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
     block_m = 16 if use_dot else min(triton.next_power_of_2(M), 4)
     w = _as_words(qweight, qtype)
-    blocks_per_split = triton.cdiv(triton.cdiv(nb, cfg.split_k), cfg.kbs) * cfg.kbs
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), config.kbs) * config.kbs
     split = triton.cdiv(nb, blocks_per_split)
-    atomic = split > 1
-    y = torch.zeros((M, N), dtype=torch.float32, device=x.device) if atomic else x.new_empty((M, N))
-    G, T = tile_shape(qtype, cfg.kbs)
-    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, block_m))
-    _gemv_kernel[grid](x, w, y, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
-                       QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
-                       USE_DOT=use_dot, ATOMIC=atomic, num_warps=cfg.num_warps)
-    return y.to(x.dtype) if atomic else y
+    grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
+    y = x.new_empty((M, N))
+    if split > 1:
+        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = y  # unused
+    _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
+                       QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G,
+                       USE_DOT=use_dot, SPLIT_K=split, num_warps=config.num_warps)
+    return y

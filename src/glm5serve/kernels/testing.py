@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 # Byte offsets of the fp16 super-block scales (ggml-common.h ``block_q4_K`` etc.).
 _KQUANT_F16 = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_F16_FIELDS = {**_KQUANT_F16, Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,)}
 
 
 def random_qweight(qtype: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
@@ -29,6 +30,21 @@ def random_qweight(qtype: int, rows: int, cols: int, rng: np.random.Generator, s
         d = (rng.uniform(-2, 2, blocks.shape[:2]) * unit).astype(np.float16)
         blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
+
+
+def random_qweight_torch(qtype: int, shape: tuple[int, ...], device, generator: torch.Generator | None = None,
+                         scale: float = 0.02) -> torch.Tensor:
+    """Random raw bytes ``uint8 (*shape[:-1], row_bytes)`` of a ``qtype`` weight of numpy ``shape``, made on
+    ``device`` (fast for gigabytes of benchmark experts): random codes and sub-scales, every fp16 block scale set
+    to a finite value of either sign of order ``scale / 256``."""
+    qtype = Q(qtype)
+    qk, qb = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (*shape[:-1], shape[-1] // qk, qb), dtype=torch.uint8, device=device,
+                           generator=generator)
+    for off in _F16_FIELDS[qtype]:
+        d = (torch.rand(blocks.shape[:-1], device=device, generator=generator) * 2 - 1) * (scale / 256)
+        blocks[..., off:off + 2] = d.to(torch.float16).view(torch.uint8).reshape(*blocks.shape[:-1], 2)
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def dequant(qweight, qtype: int) -> torch.Tensor:

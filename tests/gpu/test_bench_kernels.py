@@ -1,0 +1,330 @@
+"""Benchmark of the GGUF decode kernels on GLM-5's shapes (issue 8): glm5serve's Triton GEMV and MoE against
+vllm-gguf-plugin's kernels and bf16 cuBLAS, with the device's copy bandwidth measured in the same run.
+
+Method: each implementation runs ``CALLS`` times inside one CUDA graph (launch gaps are those vLLM's graphs
+pay; Python and launch overhead are not measured), call i on weight copy i mod n, the copies together >= 256 MB
+(4x the 60 MB L2) so every call streams its weight from HBM.  Time per call = median over ``REPLAYS`` replays
+(CUDA events) / CALLS.  Copy bandwidth counts bytes read + written by a 1 GiB device-to-device copy; a GEMV's
+bandwidth counts the weight bytes it reads.  Weights are random codes with sane fp16 scales (speed does not
+depend on the values); each case first checks glm5serve's output against dequantize + fp32 matmul.
+
+Run on a GPU host (one command, about 5 minutes on an H200)::
+
+    GLM5SERVE_BENCH_OUT=bench python -m pytest tests/gpu/test_bench_kernels.py -m gpu -q -s -k "not sweep"
+
+It writes ``bench_kernels.md`` / ``.json`` into ``$GLM5SERVE_BENCH_OUT`` (and prints the table).  The opt-in
+sweep (``GLM5SERVE_BENCH_SWEEP=1 ... -k sweep``; types from ``GLM5SERVE_BENCH_SWEEP_TYPES``, default Q4_K) times
+a grid of launch configs per shape and batch and writes ``tuned/<device>.json``; copied to
+``src/glm5serve/kernels/tuned/`` it makes ``pick_config`` use the measured best.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
+from glm5serve.kernels.gguf_gemv import _device_info
+from glm5serve.kernels.testing import random_qweight_torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+ROTATE_BYTES = 256 << 20
+CALLS = 48
+REPLAYS = 15
+BATCHES = (1, 4, 16)
+SHAPES = {  # name: (N, K, layout)
+    "expert gate/up": (2048, 6144, "EP"), "expert down": (6144, 2048, "EP"),
+    "lm_head/8": (19360, 6144, "TP8"), "q_a": (2048, 6144, "all"), "q_b/8": (2048, 2048, "TP8"),
+    "o_proj/8": (6144, 2048, "TP8"), "expert gate+up/8": (512, 6144, "TP8"), "expert down/8": (6144, 256, "TP8"),
+}
+GEMV_CASES = ([(Q.Q4_K, s) for s in SHAPES]
+              + [(q, "expert gate/up") for q in (Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0)]
+              + [(q, "expert down") for q in (Q.Q5_K, Q.Q6_K)] + [(Q.Q6_K, "lm_head/8")])
+MOE_LAYOUTS = {"EP": 2048, "TP8": 256}  # intermediate size per expert on one GPU
+MOE_E, MOE_H, MOE_TOPK = 256, 6144, 8
+
+
+def _graph_us(fns, calls: int = CALLS) -> tuple[float, torch.cuda.CUDAGraph]:
+    """Median microseconds per call of ``fns[i % len(fns)]()``, i < max(calls, len(fns)), in one CUDA graph."""
+    seq = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for f in fns[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in seq:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1e3 / len(seq), graph
+
+
+def _copies(make, nbytes: int) -> list:
+    return [make() for _ in range(max(2, math.ceil(ROTATE_BYTES / nbytes)))]
+
+
+def _qbytes(qtype, n, k) -> int:
+    qk, qb = GGML_QUANT_SIZES[qtype]
+    return n * (k // qk) * qb
+
+
+@pytest.fixture(scope="module")
+def copy_bw() -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    n = 1 << 30
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    us, _ = _graph_us([lambda: dst.copy_(src)], calls=8)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (us * 1e-6)
+
+
+@pytest.fixture(scope="module")
+def results(copy_bw):
+    rows: list[dict] = []
+    yield rows
+    _write_report(rows, copy_bw)
+
+
+def _plugin_gemv():
+    """vllm-gguf-plugin's decode GEMV (its CUDA extension when it loads, else its Triton kernel) and its name."""
+    try:
+        from vllm_gguf_plugin import ops
+    except Exception as e:  # noqa: BLE001 - the plugin needs vLLM; record why it is missing
+        return None, f"not importable: {type(e).__name__}: {e}"[:120]
+    backend = "CUDA ext" if getattr(ops, "_CUDA_ENABLED", False) else "Triton"
+    return (lambda w, x, q, n: ops.ggml_mul_mat_vec_a8(w, x, int(q), n) if x.shape[0] <= 6
+            else ops.ggml_mul_mat_a8(w, x, int(q), n)), backend
+
+
+def _plugin_moe():
+    try:
+        from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
+    except Exception as e:  # noqa: BLE001
+        return None, f"not importable: {type(e).__name__}: {e}"[:120]
+    return _fused_moe_gguf, "plugin"
+
+
+def _try_time(make_fns):
+    try:
+        return _graph_us(make_fns())[0], None
+    except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {e}"[:160]
+
+
+@pytest.mark.parametrize("M", BATCHES)
+@pytest.mark.parametrize("qtype,shape", GEMV_CASES, ids=[f"{q.name}-{s}" for q, s in GEMV_CASES])
+def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
+    from glm5serve.dequant import dequantize
+
+    N, K, layout = SHAPES[shape]
+    gen = torch.Generator(DEV).manual_seed(N * 7 + K + int(qtype))
+    qbytes = _qbytes(qtype, N, K)
+    ws = _copies(lambda: random_qweight_torch(qtype, (N, K), DEV, gen), qbytes)
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    W = dequantize(ws[0], qtype, dtype=torch.float32)
+    ref = x.float() @ W.T
+    got = gguf_linear(x, ws[0], qtype, N).float()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"glm5serve GEMV relative error {rel:.3g}"
+
+    ours_us, graph = _graph_us([functools.partial(gguf_linear, x, w, qtype, N) for w in ws])
+    plugin, backend = _plugin_gemv()
+    plugin_us, plugin_err = (None, backend) if plugin is None else _try_time(
+        lambda: [functools.partial(plugin, w, x, qtype, N) for w in ws])
+    Wb = W.to(torch.bfloat16)
+    del W
+    wbs = [Wb] + _copies(Wb.clone, 2 * N * K)[1:]
+    cublas_us, _ = _graph_us([functools.partial(torch.matmul, x, w.T) for w in wbs])
+    sms, _ = _device_info(x.device)
+    row = dict(kind="gemv", shape=shape, layout=layout, N=N, K=K, type=qtype.name, batch=M,
+               weight_MB=qbytes / 1e6, ours_us=ours_us, plugin_us=plugin_us, cublas_bf16_us=cublas_us,
+               ours_GBps=qbytes / ours_us / 1e3, copy_fraction=qbytes / (ours_us * 1e-6) / copy_bw,
+               x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=cublas_us / ours_us,
+               plugin=backend if plugin_err is None else plugin_err, rel_err=rel,
+               config=str(pick_config(qtype, M, N, K, sms, x.dtype, _device_info(x.device)[1])))
+    results.append(row)
+    benchmark.extra_info.update(row)
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, iterations=1)
+    del ws, wbs, graph
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("T", BATCHES)
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_bench_moe(benchmark, results, copy_bw, layout, T):
+    """GLM-5's routed experts (256, top-8, Q4_K) on one GPU: whole experts (EP) or TP=8 slices."""
+    inter = MOE_LAYOUTS[layout]
+    q = Q.Q4_K
+    gen = torch.Generator(DEV).manual_seed(T + inter)
+    w13 = random_qweight_torch(q, (MOE_E, 2 * inter, MOE_H), DEV, gen)
+    w2 = random_qweight_torch(q, (MOE_E, MOE_H, inter), DEV, gen)
+    x = torch.randn(T, MOE_H, device=DEV, generator=gen).to(torch.bfloat16)
+    routes = []
+    for _ in range(CALLS):  # a fresh routing per call: consecutive calls read different experts
+        ids = torch.stack([torch.randperm(MOE_E, device=DEV, generator=gen)[:MOE_TOPK] for _ in range(T)])
+        wts = torch.softmax(torch.randn(T, MOE_TOPK, device=DEV, generator=gen), -1)
+        routes.append((ids.to(torch.int32), wts))
+    expert_bytes = _qbytes(q, 2 * inter, MOE_H) + _qbytes(q, MOE_H, inter)
+    mean_bytes = statistics.mean(len(torch.unique(ids)) * expert_bytes for ids, _ in routes)
+
+    ours = [functools.partial(gguf_moe, x, w13, w2, wts, ids, q, q) for ids, wts in routes]
+    y = ours[0]()
+    plugin, status = _plugin_moe()
+    plugin_us, plugin_err = None, status if plugin is None else None
+    rel = None
+    if plugin is not None:
+        try:
+            y_plugin = plugin(x, w13, w2, routes[0][1], routes[0][0], int(q), int(q), "silu")
+            rel = ((y.float() - y_plugin.float()).norm() / y_plugin.float().norm()).item()
+            assert rel < 2e-2, f"glm5serve MoE differs from the plugin's by {rel:.3g}"
+        except AssertionError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            plugin_err = f"{type(e).__name__}: {e}"[:160]
+        if plugin_err is None:
+            plugin_us, plugin_err = _try_time(lambda: [functools.partial(plugin, x, w13, w2, wts, ids, int(q), int(q),
+                                                                         "silu") for ids, wts in routes])
+    ours_us, graph = _graph_us(ours)
+    row = dict(kind="moe", shape=f"MoE 256 experts top-8, I={inter}", layout=layout, N=MOE_H, K=inter,
+               type=q.name, batch=T, weight_MB=mean_bytes / 1e6, ours_us=ours_us, plugin_us=plugin_us,
+               cublas_bf16_us=None, ours_GBps=mean_bytes / ours_us / 1e3,
+               copy_fraction=mean_bytes / (ours_us * 1e-6) / copy_bw,
+               x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=None,
+               plugin="plugin fused MoE" if plugin_err is None else plugin_err, rel_err=rel, config="")
+    results.append(row)
+    benchmark.extra_info.update(row)
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, iterations=1)
+    del w13, w2, graph
+    torch.cuda.empty_cache()
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _write_report(rows: list[dict], copy_bw: float) -> None:
+    if not rows:
+        return
+    name = torch.cuda.get_device_name()
+    lines = [f"# GGUF decode kernels on {name}", "",
+             f"Copy bandwidth (read + write, 1 GiB, same run): {copy_bw / 1e12:.2f} TB/s. "
+             f"Times per call under CUDA graphs, weights rotated over >= {ROTATE_BYTES >> 20} MB.", "",
+             "| shape | layout | N x K | type | batch | weight MB | glm5serve us | plugin us | bf16 cuBLAS us "
+             "| GB/s | % copy BW | x plugin | x cuBLAS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['layout']} | {r['N']}x{r['K']} | {r['type']} | {r['batch']} "
+                     f"| {r['weight_MB']:.1f} | {r['ours_us']:.1f} | {_fmt(r['plugin_us'], '.1f')} "
+                     f"| {_fmt(r['cublas_bf16_us'], '.1f')} | {r['ours_GBps']:.0f} | {100 * r['copy_fraction']:.0f} "
+                     f"| {_fmt(r['x_plugin'], '.1f')} | {_fmt(r['x_cublas'], '.2f')} |")
+    gemv = [r for r in rows if r["kind"] == "gemv"]
+    big = [r for r in gemv if r["batch"] == 1 and r["weight_MB"] >= 8]
+    small_batch = [r for r in gemv if r["batch"] <= 4]
+    vs_plugin = [r for r in rows if r["x_plugin"]]
+    lines += ["", "Targets (issue 8):",
+              f"- >= 50 % of copy bandwidth at batch 1 for weights >= 8 MB: "
+              f"{sum(r['copy_fraction'] >= 0.5 for r in big)}/{len(big)} "
+              f"(min {min((100 * r['copy_fraction'] for r in big), default=0):.0f} %)",
+              f"- faster than bf16 cuBLAS at batch <= 4: {sum(r['x_cublas'] > 1 for r in small_batch)}/"
+              f"{len(small_batch)} (min {min((r['x_cublas'] for r in small_batch), default=0):.2f}x)",
+              f"- >= 10x the plugin's kernels: {sum(r['x_plugin'] >= 10 for r in vs_plugin)}/{len(vs_plugin)} "
+              f"(min {min((r['x_plugin'] for r in vs_plugin), default=0):.1f}x)",
+              "", "Plugin backend / errors: " + "; ".join(sorted({str(r['plugin']) for r in rows}))]
+    text = "\n".join(lines)
+    print("\n" + text)
+    out = os.environ.get("GLM5SERVE_BENCH_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench_kernels.md").write_text(text + "\n")
+        (Path(out) / "bench_kernels.json").write_text(json.dumps(
+            dict(device=name, copy_bw_Bps=copy_bw, rows=rows), indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opt-in sweep of launch configs -> tuned/<device>.json
+# ---------------------------------------------------------------------------------------------------------------
+
+def _sweep_grid(qtype, M, N, K, sms):
+    qk = GGML_QUANT_SIZES[qtype][0]
+    nb = K // qk
+    kbs_set = (1, 2, 4) if qk == 256 else (8, 16, 32)
+    grid = []
+    for use_dot in ((False, True) if M > 4 else (False,)):
+        for block_n in ((16, 32) if use_dot else (8, 16, 32)):
+            for kbs in kbs_set:
+                if kbs > nb or (use_dot and kbs * qk < 64):
+                    continue
+                steps = math.ceil(nb / kbs)
+                for per_sm in (1, 4, 16):
+                    split = max(1, min(steps, math.ceil(per_sm * sms / math.ceil(N / block_n))))
+                    for warps in (4, 8):
+                        grid.append(GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=warps,
+                                               use_dot=use_dot))
+    return list(dict.fromkeys(grid))
+
+
+SWEEP_TYPES = [Q[t] for t in os.environ.get("GLM5SERVE_BENCH_SWEEP_TYPES", "Q4_K").split(",")]
+
+
+@pytest.fixture(scope="module")
+def sweep_table():
+    table: dict[str, dict] = {}
+    yield table
+    out = os.environ.get("GLM5SERVE_BENCH_OUT")
+    if table and out:
+        _, device = _device_info(torch.device(DEV))
+        path = Path(out) / "tuned" / f"{device}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), configs={
+            k: v["config"] for k, v in table.items()}, timings_us={k: v["us"] for k, v in table.items()}), indent=1))
+
+
+@pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
+@pytest.mark.parametrize("M", BATCHES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("qtype", SWEEP_TYPES, ids=lambda q: q.name)
+def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
+    N, K, _ = SHAPES[shape]
+    sms, device = _device_info(torch.device(DEV))
+    gen = torch.Generator(DEV).manual_seed(1)
+    ws = _copies(lambda: random_qweight_torch(qtype, (N, K), DEV, gen), _qbytes(qtype, N, K))
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    ref = gguf_linear(x, ws[0], qtype, N, GemvConfig(split_k=1)).float()
+    timings = {}
+    for cfg in _sweep_grid(qtype, M, N, K, sms):
+        y = gguf_linear(x, ws[0], qtype, N, cfg).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
+        timings[cfg] = _graph_us([functools.partial(gguf_linear, x, w, qtype, N, cfg) for w in ws])[0]
+    best = min(timings, key=timings.get)
+    default = pick_config.__wrapped__(qtype, M, N, K, sms, x.dtype)  # the heuristic, ignoring tuned files
+    default_us = timings.get(default) or _graph_us([functools.partial(gguf_linear, x, w, qtype, N, default)
+                                                    for w in ws])[0]
+    sweep_table[f"{int(qtype)},{M},{N},{K}"] = dict(config=dataclasses.asdict(best), us=timings[best])
+    print(f"\n{qtype.name} {shape} M={M}: best {timings[best]:.1f} us {best}; heuristic {default_us:.1f} us")
+    del ws
+    torch.cuda.empty_cache()
