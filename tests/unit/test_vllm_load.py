@@ -251,3 +251,84 @@ def test_tp_that_verify_rejects_fails_to_load_with_its_message(tiny_checkpoint, 
     with pytest.raises(GGUFModelError) as e:
         build_and_load(tiny_checkpoint, tp=tp, rank=0)
     assert str(e.value) == failed[0].detail
+
+
+def test_vllm_engine_path_loads_on_cpu_and_mla_gets_k_b_and_v_b(tiny_split_checkpoint):
+    """The path ``vllm serve MODEL.gguf`` takes, short of the GPU: engine arguments with nothing but the GGUF ->
+    ModelConfig (config and tokenizer from the GGUF) -> the registered ``gguf`` loader -> vLLM's model class from its
+    registry -> load -> ``process_weights_after_loading``; at TP=2, rank 1. MLA's absorbed weights must then be the
+    file's ``attn_k_b``/``attn_v_b`` of rank 1's heads: ``W_UK_T[h] = k_b[h]^T``, ``W_UV[h] = v_b[h]^T``."""
+    from vllm.config import DeviceConfig, LoadConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from glm5serve.vllm_plugin import register
+    from glm5serve.vllm_plugin.cpu import init_single_process, simulated_tp, use_stub_platform
+    from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader
+
+    use_stub_platform()
+    register()
+    path = str(tiny_split_checkpoint)
+    mc = EngineArgs(model=path, enforce_eager=True).create_model_config()
+    assert mc.quantization == "gguf" and mc.model_weights == path and mc.architectures == ["GlmMoeDsaForCausalLM"]
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="gguf"))
+    init_single_process(vc)
+    loader = get_model_loader(vc.load_config)
+    assert isinstance(loader, GLM5GGUFModelLoader)
+    with simulated_tp(2, 1):
+        model = loader.load_model(vllm_config=vc, model_config=mc)
+    tensors = {t.name: t for shard in split_paths(path) for t in GGUFReader(shard).tensors}
+    mla = [m for m in model.modules() if hasattr(m, "W_UK_T")]
+    assert len(mla) == model.config.num_hidden_layers
+    heads = model.config.num_attention_heads // 2
+    for layer, attn in enumerate(mla):
+        k_b = _stored(tensors[f"blk.{layer}.attn_k_b.weight"], True)[heads:]  # rank 1: the second half of the heads
+        v_b = _stored(tensors[f"blk.{layer}.attn_v_b.weight"], True)[heads:]
+        assert_bitwise_equal(attn.W_UK_T, k_b.transpose(1, 2).to(DTYPE), f"layer {layer} W_UK_T")
+        assert_bitwise_equal(attn.W_UV, v_b.transpose(1, 2).to(DTYPE), f"layer {layer} W_UV")
+
+
+@pytest.fixture(scope="module")
+def glm52_checkpoint(tmp_path_factory):
+    """tiny with GLM-5.2's per-layer indexers: layer 1 ``shared`` (no indexer tensors; reuses layer 0's top-k)."""
+    from glm5serve.checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("glm52"), "tiny", "ud-q4_k_xl",
+                           indexer_types=["full", "shared", "full"])
+
+
+@pytest.mark.parametrize("kind", ["generic", "cuda"])
+def test_glm52_shared_indexer_layers_load(glm52_checkpoint, kind):
+    load_and_check(str(glm52_checkpoint), kind, 2)
+
+
+@pytest.mark.parametrize("kind", ["generic", "cuda"])
+def test_gguf_tensor_without_a_vllm_parameter_is_a_load_error(tiny_checkpoint, kind):
+    """A config that makes vLLM build no indexer on layer 1 while the file has one: the generic class would drop
+    those tensors without a word ("this layer has no indexer; drop its checkpoint weights"), the CUDA class would
+    fail with a KeyError; the load must fail naming the tensor."""
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    with pytest.raises(GGUFModelError, match=r"blk\.1\.indexer\..*: vLLM's model has no parameter model\.layers\.1"):
+        build_and_load(tiny_checkpoint, kind=kind, config_overrides={"index_topk_pattern": "FSF"})
+
+
+def test_vllm_parameter_left_unloaded_is_a_load_error(glm52_checkpoint):
+    """The reverse: vLLM builds layer 1's indexer but the file has none for it."""
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    with pytest.raises(GGUFModelError, match=r"vLLM parameter\(s\) not loaded: model\.layers\.1\.self_attn\.indexer\."):
+        build_and_load(glm52_checkpoint, config_overrides={"index_topk_pattern": "FFF"})
+
+
+def test_mtp_block_is_skipped_not_missing(tiny_checkpoint):
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    model, adapter = build_and_load(tiny_checkpoint)
+    n = model.config.num_hidden_layers
+    mtp = {t for t in GGUFModel(tiny_checkpoint).tensors if t.startswith(f"blk.{n}.")}
+    assert mtp and not mtp & {s for ld in adapter.plan for s in ld.sources}
+    assert not any(f"layers.{n}." in name for name, _ in model.named_parameters())

@@ -3,7 +3,7 @@
 vLLM cannot run GLM-5 on a CPU (its CPU platform rejects sparse attention; the plugin's kernels are CUDA/Triton), but
 building the model and loading its weights needs no kernel. Stubbed here, and nothing else: the platform (vLLM's
 ``CpuPlatform`` with a stub attention backend selection: :class:`StubSparseMLABackend` has no kernels and is only
-ever constructed) and the TP group (``parallel_state._TP`` is replaced by a :class:`SimulatedTPGroup`, which is what
+ever constructed; dense CPU weights are not packed for ``vllm._C``, which is not built here) and the TP group (``parallel_state._TP`` is replaced by a :class:`SimulatedTPGroup`, which is what
 ``get_tensor_model_parallel_rank``/``world_size`` read, so every module sees rank ``r`` of ``tp``). Model classes,
 ``create_weights``, weight loaders and ``load_weights`` are vLLM's and the plugin's own.
 """
@@ -76,14 +76,22 @@ def use_stub_platform() -> None:
     import vllm.platforms as platforms
     from vllm.platforms.interface import Platform
 
+    from vllm.model_executor.layers import utils as layer_utils
+
     current = platforms._current_platform
     if current is not None and type(current).__name__ == "StubCpuPlatform":
         return
+    # the CPU platform packs dense weights for vllm._C's CPU GEMM (not built here): use a plain F.linear
+    layer_utils.dispatch_cpu_unquantized_gemm = _plain_cpu_gemm
     stub = _stub_platform_cls()()
     platforms._current_platform = stub
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm") and isinstance(getattr(module, "current_platform", None), Platform):
             module.current_platform = stub
+
+
+def _plain_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+    layer.cpu_linear = torch.nn.functional.linear
 
 
 @dataclass

@@ -143,28 +143,42 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
         """(checkpoint name, tensor) pairs for ``model.load_weights``, each matrix stored as its vLLM module was
         built: dense where ``{module}.weight`` exists, GGUF where ``{module}.qweight`` does.
 
-        Raises GGUFModelError (during iteration) for a matrix whose vLLM module has neither parameter.
+        Raises GGUFModelError (during iteration) for a tensor whose vLLM parameter does not exist (e.g. an
+        indexer on a layer the config makes ``shared``): vLLM would drop it silently or fail with a KeyError.
         """
         def dense(ld: Load) -> bool:
-            vm = vllm_module(ld.module)
-            if f"{vm}.qweight" in params:
-                return False
-            if f"{vm}.weight" in params:
-                return True
-            raise GGUFModelError(f"vLLM's model has no parameter {vm}.weight or {vm}.qweight for it",
-                                 file=str(self.gguf.path), tensor=ld.sources[0])
+            """True: a plain float parameter; False: the plugin's ``qweight``/``qweight_type``."""
+            if ld.kind == "matrix":
+                vm = vllm_module(ld.module)
+                if f"{vm}.qweight" in params:
+                    return False
+                if f"{vm}.weight" in params:
+                    return True
+                missing = f"{vm}.weight or {vm}.qweight"
+            elif ld.kind == "experts":
+                layer = ld.name.split(".experts.")[0]
+                if any(n.startswith(f"{layer}.experts.") and n.endswith("_qweight") for n in params):
+                    return False
+                missing = f"{layer}.experts.*_qweight"
+            else:  # vector, kv_b: plain parameters under their checkpoint names
+                if ld.name in params:
+                    return True
+                missing = ld.name
+            raise GGUFModelError(f"vLLM's model has no parameter {missing} for it", file=str(self.gguf.path),
+                                 tensor=ld.sources[0])
         return self._weights(dense)
 
     def _weights(self, is_dense) -> Iterator[tuple[str, torch.Tensor]]:
         for ld in self.plan:
             infos = [self.gguf[s] for s in ld.sources]
+            dense = is_dense(ld)
             if ld.kind == "vector":  # fp32: some of these parameters are fp32 (router, indexer k_norm)
                 yield ld.name, _tag(dequantize_tensor(infos[0]), ld.sources)
-            elif ld.kind == "matrix" and is_dense(ld):  # fp32 rounded once to the model dtype
-                yield ld.name, _tag(dequantize_tensor(infos[0], self.dtype), ld.sources)
             elif ld.kind == "kv_b":  # the transpose of attn_k_b happens after dequantization, in fp32
                 w = merge_kv_b(dequantize_tensor(infos[0]), dequantize_tensor(infos[1]))
                 yield ld.name, _tag(w.to(self.dtype), ld.sources)
+            elif ld.kind == "matrix" and dense:  # fp32 rounded once to the model dtype
+                yield ld.name, _tag(dequantize_tensor(infos[0], self.dtype), ld.sources)
             else:  # GGUF storage: matrix in a GGUF-built module, or 3-D experts
                 yield from self._gguf_pair(ld, infos[0])
 

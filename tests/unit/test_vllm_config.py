@@ -1,0 +1,156 @@
+"""Config and tokenizer from a GLM-5 GGUF alone through vLLM's hooks, and the plugin's registration (issue 4, 1-2)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("vllm_gguf_plugin")
+
+TEXTS = ["Hello, world! 123", "  spaces\tand\nnewlines  ", "<|user|>hi<|assistant|>", "naïve café 😀"]
+
+
+@pytest.fixture(scope="module")
+def registered():
+    from glm5serve.vllm_plugin import register
+    from glm5serve.vllm_plugin.cpu import use_stub_platform
+
+    use_stub_platform()
+    register()
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("glm5serve") == "glm5serve.vllm_plugin:register"
+
+
+@pytest.mark.parametrize("order", ["glm5serve-first", "plugin-first"])
+def test_register_is_idempotent_in_either_plugin_order(registered, order):
+    """vLLM runs general plugins in no fixed order, in every process, maybe more than once."""
+    import vllm_gguf_plugin
+    from vllm.config.load import LoadConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.transformers_utils.config import get_config_parser
+    from vllm_gguf_plugin import weight_utils, weights_adapter
+    from vllm_gguf_plugin.quantization import linear, params
+
+    from glm5serve.vllm_plugin import register
+    from glm5serve.vllm_plugin.config_parser import GLM5ConfigParser
+    from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader
+    from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
+
+    calls = [register, vllm_gguf_plugin.register] * 2
+    for f in calls if order == "glm5serve-first" else calls[::-1]:
+        f()
+    assert weights_adapter._ADAPTER_REGISTRY.count(GlmDsaWeightsAdapter) == 1
+    assert weights_adapter._ADAPTER_REGISTRY[0] is GlmDsaWeightsAdapter
+    assert type(get_model_loader(LoadConfig(load_format="gguf"))) is GLM5GGUFModelLoader
+    assert type(get_config_parser("gguf")) is GLM5ConfigParser
+    hook = EngineArgs.create_model_config
+    assert hook._glm5serve_hooked and not getattr(hook.__wrapped__, "_glm5serve_hooked", False)
+    # each plugin function wrapped exactly once: the wrapper's __wrapped__ is the plugin's own function
+    for fn in (params._GGUFParamLoadMixin.load_merged_column_weight, params._GGUFParamLoadMixin.load_qkv_weight,
+               linear.GGUFLinearMethod.create_weights, weight_utils.gguf_quant_weights_iterator_multi):
+        assert fn._glm5serve_fixed and fn.__wrapped__.__module__.startswith("vllm_gguf_plugin")
+        assert not getattr(fn.__wrapped__, "__wrapped__", None)
+
+
+def test_hf_folder_config_round_trips(registered, tiny_checkpoint):
+    from transformers import AutoConfig
+
+    from glm5serve.vllm_plugin.config_parser import glm5_config, hf_folder
+
+    folder = hf_folder(tiny_checkpoint)
+    got = AutoConfig.from_pretrained(folder).to_dict()
+    want = glm5_config(str(tiny_checkpoint)).to_dict()
+    for d in (got, want):
+        for key in ("transformers_version", "_name_or_path"):
+            d.pop(key, None)
+    assert got == want
+    assert got["model_type"] == "glm_moe_dsa" and got["topk_method"] == "noaux_tc"
+
+
+def test_hf_folder_tokenizer_is_the_gguf_tokenizer(registered, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from glm5serve.tokenizer import tokenizer_from_gguf
+    from glm5serve.vllm_plugin.config_parser import hf_folder
+
+    folder_tok = AutoTokenizer.from_pretrained(hf_folder(tiny_checkpoint))
+    gguf_tok = tokenizer_from_gguf(tiny_checkpoint)
+    for text in TEXTS:
+        assert folder_tok.encode(text) == gguf_tok.encode(text), text
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert (folder_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == gguf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert folder_tok.eos_token_id == gguf_tok.eos_token_id
+
+
+def test_hf_folder_is_written_once_per_file_version(registered, tiny_checkpoint, tmp_path, monkeypatch):
+    from glm5serve.vllm_plugin.config_parser import hf_folder
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "model.gguf"
+    shutil.copy(tiny_checkpoint, copy)
+    first = hf_folder(copy)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert hf_folder(copy) == first and (first / "config.json").stat().st_mtime_ns == stamp
+    os.utime(copy, ns=(stamp + 10**9, stamp + 10**9))  # a rewritten file gets a fresh folder
+    assert hf_folder(copy) != first
+    assert [p.name for p in first.parent.iterdir() if p.name.startswith(".")] == []  # no temporary left over
+
+
+def test_config_parser_reads_a_gguf_file(registered, tiny_checkpoint):
+    from vllm.transformers_utils.config import get_config_parser
+
+    from glm5serve.vllm_plugin.config_parser import glm5_config
+
+    config_dict, cfg = get_config_parser("gguf").parse(str(tiny_checkpoint), trust_remote_code=False)
+    assert cfg.to_dict() == glm5_config(str(tiny_checkpoint)).to_dict() == config_dict
+
+
+def test_engine_args_with_only_the_gguf(registered, tiny_split_checkpoint):
+    """``vllm serve shard-1.gguf``: quantization, loader, config and tokenizer all come from the file."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+    from glm5serve.tokenizer import tokenizer_from_gguf
+    from glm5serve.vllm_plugin.config_parser import hf_folder
+
+    path = str(tiny_split_checkpoint)
+    args = EngineArgs(model=path, enforce_eager=True)
+    mc = args.create_model_config()
+    folder = str(hf_folder(path))
+    assert (mc.model, mc.tokenizer, mc.hf_config_path, mc.model_weights) == (folder, folder, folder, path)
+    assert (mc.quantization, args.load_format) == ("gguf", "gguf")
+    assert mc.hf_config.model_type == "glm_moe_dsa" and mc.architectures == ["GlmMoeDsaForCausalLM"]
+    assert mc.max_model_len == mc.hf_config.max_position_embeddings
+    tok = cached_tokenizer_from_config(mc)
+    for text in TEXTS:
+        assert tok.encode(text) == tokenizer_from_gguf(path).encode(text), text
+
+
+def test_explicit_config_folder_and_tokenizer_are_kept(registered, tiny_checkpoint, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from glm5serve.vllm_plugin.config_parser import hf_folder
+
+    mine = tmp_path / "mine"
+    shutil.copytree(hf_folder(tiny_checkpoint), mine)
+    mc = EngineArgs(model=str(tiny_checkpoint), hf_config_path=str(mine), tokenizer=str(mine),
+                    enforce_eager=True).create_model_config()
+    assert (mc.hf_config_path, mc.tokenizer) == (str(mine), str(mine))
+
+
+def test_glm52_shared_indexer_layers_become_vllms_topk_pattern(registered, tmp_path):
+    from glm5serve.checkpoint import make_checkpoint
+    from glm5serve.vllm_plugin.config_parser import glm5_config
+
+    path = make_checkpoint(tmp_path, "tiny", "bf16", indexer_types=["full", "shared", "full"])
+    cfg = glm5_config(str(path))
+    assert cfg.indexer_types == ["full", "shared", "full"] and cfg.index_topk_pattern == "FSF"
