@@ -195,8 +195,9 @@ class HFWeights(Mapping[str, torch.Tensor]):
     """Deterministic fp32 weights under their transformers names, for every tensor of ``schema.expected_tensors``,
     drawn on access (the last one kept), so a large checkpoint is written without holding all its fp32 weights.
 
-    Main-model names load into ``GlmMoeDsaForCausalLM(cfg)`` (``model.layers.{n}.*`` for the MTP layers too, as in
-    GLM-5's safetensors). ``kv_b_proj`` is (H*(nope+v), kv_lora); experts are transformers-5 fused
+    Main-model names load into ``GlmMoeDsaForCausalLM(cfg)``; the MTP layers are ``model.layers.{n}.*`` with
+    ``n >= num_hidden_layers``, as in GLM-5's safetensors (not transformers parameters: leave them out of
+    ``load_state_dict``). ``kv_b_proj`` is (H*(nope+v), kv_lora); experts are transformers-5 fused
     ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I). Norm weights ~ N(1, 0.1^2), biases ~ N(0, 0.1^2),
     matrices ~ N(0, gain^2/fan_in), embeddings ~ N(0, 1). Optional MTP tensors (``embed_tokens``,
     ``shared_head.head``) only with ``mtp_shared_tensors``.
