@@ -1,0 +1,152 @@
+"""``glm5serve serve MODEL [vLLM args...]``: print the resolved settings, then start vLLM's OpenAI-compatible server.
+
+A thin wrapper: every argument after MODEL goes to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` unchanged
+(the same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
+load). Before handing over it checks the file as ``glm5serve verify --tp`` does and prints the tensor-parallel
+size, the attention backend vLLM will pick, the quant types and an estimate of the weight memory per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from gguf import GGMLQuantizationType as Q
+
+from glm5serve.errors import GGUFModelError
+
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+
+def add_parser(subparsers) -> None:
+    """Register ``serve`` with the ``glm5serve`` argparse sub-commands."""
+    p = subparsers.add_parser("serve", help="serve a GLM-5 GGUF with vLLM's OpenAI-compatible server",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="GGUF file or shard 1 of a split set")
+    p.add_argument("--dry-run", action="store_true", help="print the settings and the vLLM command, start nothing")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
+    p.set_defaults(func=run)
+
+
+def option(args: list[str], *names: str, default=None):
+    """The value of a vLLM command-line option (``--name V`` or ``--name=V``; the last one wins)."""
+    value = default
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(n + "="):
+                value = a[len(n) + 1:]
+    return value
+
+
+def attention_backend(index_topk: int, requested: str | None, capability: tuple[int, int] | None) -> str:
+    """The sparse MLA backend vLLM will use for GLM-5 (docs/vllm-integration.md: GLM-5 can only use sparse MLA).
+
+    ``requested`` is ``--attention-backend``; ``capability`` the CUDA compute capability (None: no GPU visible).
+    """
+    if requested:
+        return f"{requested} (--attention-backend)"
+    if capability is None:
+        return "none: no CUDA GPU visible (vLLM cannot run GLM-5's sparse attention on a CPU)"
+    major = capability[0]
+    if major == 9:
+        return "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE (SM90; vLLM picks)"
+    if major == 10:
+        return "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE (SM100; vLLM picks)"
+    if major == 12:
+        ok = "" if index_topk == 2048 else f" -- needs index_topk 2048, this model has {index_topk}: unsupported"
+        return "FLASHINFER_MLA_SPARSE_SM120 (SM120)" + ok
+    return f"none known for SM{major}{capability[1]} (sparse MLA needs SM90, SM100 or SM120)"
+
+
+def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
+    """Estimated bytes of weights one GPU holds at TP=``tp`` (MTP block excluded).
+
+    Quantized tensors keep their GGUF bytes; what glm5serve hands over dense takes ``dtype_bytes`` per element
+    (``kv_b_proj`` re-fused from ``attn_k_b``/``attn_v_b``, the indexer's ``wk``/``weights_proj``, the router and
+    F32/F16/BF16 matrices). Column/row-parallel tensors and the vocabulary are split ``tp`` ways; the rest is
+    replicated (``q_a``, ``kv_a_mqa``, the indexer). Norms and biases count at their stored size.
+    """
+    from glm5serve.schema import expected_tensors
+
+    total = 0
+    for spec in expected_tensors(cfg):
+        if spec.kind == "mtp" or spec.gguf_name not in model:
+            continue
+        t = model[spec.gguf_name]
+        name = spec.gguf_name
+        split = spec.tp_split is not None or name in ("token_embd.weight", "output.weight") or spec.hf_part in (
+            "k_b", "v_b")
+        dense = (len(t.shape) > 1 and (t.qtype in FLOAT_TYPES or spec.hf_part in ("k_b", "v_b")
+                                       or ".indexer.attn_k." in name or ".indexer.proj." in name))
+        size = t.n_elements * dtype_bytes if dense else t.n_bytes
+        total += size // tp if split else size
+    return total
+
+
+def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
+    """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
+
+    Raises GGUFModelError for a file ``glm5serve verify --tp`` rejects (with verify's message).
+    """
+    from glm5serve import verify
+
+    ctx = verify.Context(str(path), tp)
+    for check in (verify.check_open, verify.check_metadata, verify.check_tensors, verify.check_types,
+                  verify.check_tp):
+        for result in check(ctx):
+            if not result.ok:
+                raise GGUFModelError(result.detail)
+    model, cfg = ctx.model, ctx.cfg
+    types: dict[str, int] = {}
+    for t in model:
+        types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
+    capability = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability()
+    except Exception:  # a broken CUDA setup: report no GPU, vLLM will say more
+        pass
+    files = f"{len(model.paths)} files" if len(model.paths) > 1 else "1 file"
+    return [
+        ("model", f"{path} ({files}, {_size(sum(t.n_bytes for t in model))})"),
+        ("architecture", f"glm-dsa: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+                         f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, index_topk {cfg.index_topk}"),
+        ("tensor parallel", f"{tp} (checked: heads, intermediate sizes and quant blocks divide)"),
+        ("attention backend", attention_backend(cfg.index_topk, option(vllm_args, "--attention-backend"),
+                                                capability)),
+        ("quant types", ", ".join(f"{k} {_size(v)}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))),
+        ("weights per GPU", f"~{_size(weight_bytes_per_gpu(model, cfg, tp))} (KV cache and activations come on "
+                            "top: --gpu-memory-utilization)"),
+    ]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def vllm_command(path, vllm_args: list[str]) -> list[str]:
+    """The command that starts vLLM's OpenAI server (console scripts may be missing: the GPU host has none)."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path), *vllm_args]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the settings, then replace this process with vLLM's server (``--dry-run``: print the command)."""
+    dry_run = args.dry_run or "--dry-run" in args.vllm_args  # after MODEL, argparse leaves it to vLLM's args
+    vllm_args = [a for a in args.vllm_args if a not in ("--", "--dry-run")]
+    tp_text = option(vllm_args, "--tensor-parallel-size", "-tp", default="1")
+    try:
+        tp = int(tp_text)
+    except ValueError:
+        raise GGUFModelError(f"--tensor-parallel-size must be an integer, not {tp_text!r}") from None
+    for label, value in settings(args.model, tp, vllm_args):
+        print(f"{label:>18}: {value}")
+    cmd = vllm_command(args.model, vllm_args)
+    print(f"{'vLLM':>18}: {' '.join(cmd)}", flush=True)
+    if dry_run:
+        return 0
+    os.execv(cmd[0], cmd)
+    return 1  # pragma: no cover (execv does not return)

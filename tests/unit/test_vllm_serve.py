@@ -1,0 +1,63 @@
+"""``glm5serve serve``: resolved settings, the vLLM command it hands over to, the weight memory estimate."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from glm5serve.cli import main
+from glm5serve.vllm_plugin import serve
+
+
+def test_dry_run_prints_settings_and_the_vllm_command(tiny_split_checkpoint, capsys):
+    rc = main(["serve", str(tiny_split_checkpoint), "--tensor-parallel-size", "2", "--max-model-len", "512",
+               "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "tensor parallel: 2 (checked" in out and "3 files" in out and "Q4_K" in out and "weights per GPU: ~" in out
+    cmd = f"{sys.executable} -m vllm.entrypoints.cli.main serve {tiny_split_checkpoint} --tensor-parallel-size 2 " \
+          "--max-model-len 512"
+    assert out.rstrip().endswith(cmd)
+
+
+def test_serve_execs_vllms_server_with_the_arguments_unchanged(tiny_checkpoint, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(serve.os, "execv", lambda exe, argv: calls.append((exe, argv)))
+    main(["serve", str(tiny_checkpoint), "-tp", "4", "--attention-backend", "FLASHMLA_SPARSE", "--port", "8001"])
+    assert calls == [(sys.executable, [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                                       str(tiny_checkpoint), "-tp", "4", "--attention-backend", "FLASHMLA_SPARSE",
+                                       "--port", "8001"])]
+    assert "attention backend: FLASHMLA_SPARSE (--attention-backend)" in capsys.readouterr().out
+
+
+def test_a_tp_verify_rejects_is_refused_with_its_message(tiny_checkpoint, capsys):
+    from glm5serve.verify import verify
+
+    assert main(["serve", str(tiny_checkpoint), "--tensor-parallel-size=8", "--dry-run"]) == 2
+    detail = next(c.detail for c in verify(tiny_checkpoint, 8) if not c.ok)
+    assert capsys.readouterr().err.strip() == f"glm5serve serve: {detail}"
+
+
+@pytest.mark.parametrize("capability, topk, want", [
+    (None, 2048, "none: no CUDA GPU"), ((9, 0), 2048, "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE"),
+    ((10, 0), 2048, "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE"), ((12, 0), 2048, "FLASHINFER_MLA_SPARSE_SM120"),
+    ((12, 0), 8, "needs index_topk 2048"), ((8, 0), 2048, "none known for SM80")])
+def test_attention_backend_by_gpu(capability, topk, want):
+    assert want in serve.attention_backend(topk, None, capability)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_weight_memory_estimate_matches_what_a_rank_holds(tiny_checkpoint, tp):
+    """Within 5% of the bytes of every parameter vLLM's model holds on rank 0 after a CPU load."""
+    pytest.importorskip("vllm")
+    from glm5serve.config import config_from_metadata
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    model, _ = build_and_load(tiny_checkpoint, tp=tp)
+    held = 0
+    for p in model.parameters():
+        held += sum(t.nbytes for t in p.data_container) if getattr(p, "data_container", None) else p.nbytes
+    gguf = GGUFModel(tiny_checkpoint)
+    estimate = serve.weight_bytes_per_gpu(gguf, config_from_metadata(gguf), tp)
+    assert abs(estimate - held) <= 0.05 * held, (estimate, held)
