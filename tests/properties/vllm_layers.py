@@ -85,7 +85,8 @@ def finish(layer) -> None:
 @pytest.fixture(scope="module")
 def vllm_layers(tiny_checkpoint):
     """A registered glm5serve plugin (with its fixes), vLLM's stub CPU platform, a one-process distributed state and
-    a current VllmConfig, so single vLLM layers can be built (module scope)."""
+    a current VllmConfig, so single vLLM layers can be built (module scope). Yields None: Hypothesis prints the
+    arguments of a failing example, and a VllmConfig's repr raises."""
     pytest.importorskip("vllm")
     pytest.importorskip("vllm_gguf_plugin")
     from vllm.config import set_current_vllm_config
@@ -99,4 +100,4 @@ def vllm_layers(tiny_checkpoint):
     vc = vllm_config_for(hf_folder(tiny_checkpoint), dtype=torch.float32)
     init_single_process(vc)
     with set_current_vllm_config(vc):
-        yield vc
+        yield
