@@ -271,7 +271,8 @@ def test_vllm_engine_path_loads_on_cpu_and_mla_gets_k_b_and_v_b(tiny_split_check
     path = str(tiny_split_checkpoint)
     mc = EngineArgs(model=path, enforce_eager=True).create_model_config()
     assert mc.quantization == "gguf" and mc.model_weights == path and mc.architectures == ["GlmMoeDsaForCausalLM"]
-    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="gguf"))
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"),
+                    load_config=LoadConfig(load_format="gguf"))
     init_single_process(vc)
     loader = get_model_loader(vc.load_config)
     assert isinstance(loader, GLM5GGUFModelLoader)

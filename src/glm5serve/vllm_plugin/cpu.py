@@ -3,7 +3,8 @@
 vLLM cannot run GLM-5 on a CPU (its CPU platform rejects sparse attention; the plugin's kernels are CUDA/Triton), but
 building the model and loading its weights needs no kernel. Stubbed here, and nothing else: the platform (vLLM's
 ``CpuPlatform`` with a stub attention backend selection: :class:`StubSparseMLABackend` has no kernels and is only
-ever constructed; dense CPU weights are not packed for ``vllm._C``, which is not built here) and the TP group (``parallel_state._TP`` is replaced by a :class:`SimulatedTPGroup`, which is what
+ever constructed; dense CPU weights are not packed for ``vllm._C``, which is not built here) and the TP group
+(``parallel_state._TP`` is replaced by a :class:`SimulatedTPGroup`, which is what
 ``get_tensor_model_parallel_rank``/``world_size`` read, so every module sees rank ``r`` of ``tp``). Model classes,
 ``create_weights``, weight loaders and ``load_weights`` are vLLM's and the plugin's own.
 """

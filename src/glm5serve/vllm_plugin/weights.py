@@ -21,6 +21,7 @@ consumed, or a vLLM parameter that no tensor reached, is a :class:`~glm5serve.er
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -87,11 +88,14 @@ def _tag(t: torch.Tensor, sources: Iterable[str]) -> torch.Tensor:
 
 
 def _raw(info: TensorInfo) -> torch.Tensor:
-    """The tensor's stored data as torch (a copy): uint8 ``(..., row_bytes)`` for block types, else typed."""
-    a = np.array(info.data)  # copy: memory-mapped file data is read-only
-    if info.qtype == Q.BF16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
-    return torch.from_numpy(a)
+    """The tensor's stored data as torch, a view of the read-only file map (uint8 ``(..., row_bytes)`` for block
+    types, else typed). Not copied: the loaders only narrow, clone or ``copy_`` from it, so each TP rank reads
+    just its own slice of the file instead of copying every tensor whole (as the plugin's iterator does)."""
+    a = info.data.view(np.int16) if info.qtype == Q.BF16 else info.data
+    with warnings.catch_warnings():  # "not writable": nothing writes through this view
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    return t.view(torch.bfloat16).reshape(info.shape) if info.qtype == Q.BF16 else t
 
 
 class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
