@@ -6,8 +6,8 @@
 fault (upstream)                   fix
 =================================  ==========================================================================
 merged/QKV loaders take TP rank 0  :func:`_tp_rank_from_group`: ``load_merged_column_weight``/``load_qkv_weight``
-(vllm-gguf-plugin#103, fixed by    read ``kwargs.get("tp_rank", 0)``; vLLM 0.25 passes ``tp_rank``, 0.33 does not,
-plugin PR#106, unreleased)         so at TP > 1 every rank kept rank 0's rows. Take the rank from the TP group
+(vllm-gguf-plugin#103; PR#106,     read ``kwargs.get("tp_rank", 0)``; vLLM 0.25 passes ``tp_rank``, 0.33 does not,
+merged after 0.0.5)                so at TP > 1 every rank kept rank 0's rows. Take the rank from the TP group
                                    when the caller does not pass it (and only when a slice is actually taken).
 ``weight`` -> ``qweight`` by       :func:`_suffix_only_names`: ``gguf_quant_weights_iterator_multi`` does
 substring (plugin PR#131, open)    ``name.replace("weight", "qweight")``: ``indexer.weights_proj.weight`` became
@@ -15,7 +15,8 @@ substring (plugin PR#131, open)    ``name.replace("weight", "qweight")``: ``inde
 ReplicatedLinear GGUF params       :func:`_replicated_linear_loader`: ``GGUFLinearMethod`` gives a layer without
 (no upstream issue found)          ``weight_loader_v2`` (``ReplicatedLinear``: the indexer's ``wq_b``) that
                                    layer's size-asserting loader, which fails on the uninitialised GGUF param
-                                   ("Can't call `size` on uninitialized parameter"). Store the bytes instead.
+                                   ("Tried to load weights of size [16, 68] to a parameter of size [0]").
+                                   Store the bytes as the plugin stores any unsharded GGUF weight.
 =================================  ==========================================================================
 
 Faults fixed outside this module, because the fix is the GLM-5 adapter's own job (tested the same way):
