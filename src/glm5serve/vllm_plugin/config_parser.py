@@ -126,13 +126,11 @@ def _hook_engine_args() -> None:
 
     @functools.wraps(orig)
     def create_model_config(self, *args, **kwargs):
-        if isinstance(self.model, str) and is_glm_dsa_gguf(self.model):
-            folder = None
-            if self.hf_config_path is None:
-                folder = hf_folder(self.model)
-                self.hf_config_path = str(folder)
-            if self.tokenizer is None:
-                self.tokenizer = str(folder or hf_folder(self.model))
+        if (self.hf_config_path is None or self.tokenizer is None) and isinstance(self.model, str) \
+                and is_glm_dsa_gguf(self.model):
+            folder = str(hf_folder(self.model))
+            self.hf_config_path = self.hf_config_path or folder
+            self.tokenizer = self.tokenizer or folder
         return orig(self, *args, **kwargs)
 
     create_model_config._glm5serve_hooked = True

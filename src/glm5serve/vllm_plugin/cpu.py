@@ -102,10 +102,6 @@ class SimulatedTPGroup:
     world_size: int
     rank_in_group: int
 
-    @property
-    def rank(self) -> int:
-        return self.rank_in_group
-
 
 _DIST_READY = False
 
@@ -119,8 +115,9 @@ def init_single_process(vllm_config) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     with set_current_vllm_config(vllm_config):
+        rendezvous = Path(tempfile.mkdtemp(prefix="glm5serve-dist-")) / "init"
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='glm5serve-dist-')}")
+                                     distributed_init_method=f"file://{rendezvous}")
         initialize_model_parallel(1, 1)
     _DIST_READY = True
 
