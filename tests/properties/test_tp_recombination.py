@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from glm5serve.testing import assert_bitwise_equal
 from glm5serve.testing import strategies as gst
-from vllm_layers import FLOAT_TYPES, as_loaded, cpu_kernels, finish, gguf_py_values, load_gguf, vllm_layers  # noqa: F401
+from vllm_layers import (  # noqa: F401
+    FLOAT_TYPES, as_loaded, cpu_kernels, finish, gguf_py_values, load_gguf, running_rank, tiny_vllm_model, vllm_layers)
 
 ALL_TYPES = tuple(gst.SUPPORTED_TYPES)
 
@@ -259,3 +260,61 @@ def test_row_parallel_bytes_recombine_and_partial_sums_add_up(vllm_layers, data)
     total = sum(o.double() for _, o in pieces)
     bound = x.double().abs() @ values.abs().T
     assert torch.all((total - out.double()).abs() <= 2e-6 * bound + 1e-30), f"partial sums, tp {tp}"
+
+
+# -- MoE w13/w2 (with the shared experts) and kv_b_proj, in vLLM's GLM-5 model on the tiny checkpoint -------------
+
+TINY_TPS = (2, 4)  # the tiny preset's max_tp is 4
+
+
+def _ranks(path, tp: int) -> list:
+    return [tiny_vllm_model(path, tp, r) for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp", TINY_TPS)
+def test_routed_expert_slices_recombine(vllm_layers, tiny_checkpoint, tp):  # noqa: F811
+    """``w13`` of rank r holds rows [r·I/tp, ...) of every expert's gate and of its up (in that order), ``w2`` the
+    bytes of columns [r·I/tp, ...) of every expert's down; concatenated over ranks they are the TP=1 tensors."""
+    full = tiny_vllm_model(tiny_checkpoint).model.layers[1].mlp.experts.routed_experts
+    ranks = [m.model.layers[1].mlp.experts.routed_experts for m in _ranks(tiny_checkpoint, tp)]
+    half = full.w13_qweight.shape[1] // 2
+    for part, rows in (("gate", slice(0, half)), ("up", slice(half, 2 * half))):
+        pieces = [e.w13_qweight.data.view(e.w13_qweight.shape[0], 2, half // tp, -1)[:, 0 if part == "gate" else 1]
+                  for e in ranks]
+        assert_bitwise_equal(torch.cat(pieces, dim=1), full.w13_qweight.data[:, rows], f"w13 {part}, tp {tp}")
+    assert_bitwise_equal(torch.cat([e.w2_qweight.data for e in ranks], dim=-1), full.w2_qweight.data, f"w2, tp {tp}")
+
+
+@pytest.mark.parametrize("tp", TINY_TPS)
+@given(tokens=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_moe_layer_rank_outputs_sum_to_unsplit(vllm_layers, tiny_checkpoint, tp, tokens, seed):  # noqa: F811
+    """vLLM's ``DeepseekV2MoE`` forward (router, routed experts ``w13``/``w2`` through the plugin's MoE method,
+    shared experts through its linear method) run as each rank of ``tp``: the ranks' partial outputs (what the
+    all-reduce adds) sum to the TP=1 output."""
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed))
+    full = tiny_vllm_model(tiny_checkpoint)
+    with running_rank(full):
+        want = full.model.layers[1].mlp(x).double()
+    total = torch.zeros_like(want)
+    for r, model in enumerate(_ranks(tiny_checkpoint, tp)):
+        with running_rank(model, tp, r):
+            total += model.model.layers[1].mlp(x).double()
+    scale = want.abs().max()
+    assert (total - want).abs().max() <= 1e-5 * scale, f"tp {tp}: {(total - want).abs().max()} vs |y| {scale}"
+
+
+@pytest.mark.parametrize("tp", TINY_TPS)
+def test_kv_b_proj_rank_outputs_concatenate(vllm_layers, tiny_checkpoint, tp):  # noqa: F811
+    """``kv_b_proj`` (re-fused from ``attn_k_b``/``attn_v_b``, dense, column-parallel by heads): rank r holds the
+    rows of heads [r·H/tp, ...); the ranks' outputs concatenated are the TP=1 output."""
+    full = tiny_vllm_model(tiny_checkpoint).model.layers[0].self_attn.kv_b_proj
+    latent = torch.randn(3, full.weight.shape[1], generator=torch.Generator().manual_seed(tp))
+    ranks = [m.model.layers[0].self_attn.kv_b_proj for m in _ranks(tiny_checkpoint, tp)]
+    assert_bitwise_equal(torch.cat([k.weight.data for k in ranks]), full.weight.data, f"kv_b rows, tp {tp}")
+    with running_rank(tiny_vllm_model(tiny_checkpoint)):
+        want = full(latent)[0]
+    outs = []
+    for r, k in enumerate(ranks):
+        with running_rank(tiny_vllm_model(tiny_checkpoint, tp, r), tp, r):
+            outs.append(k(latent)[0])
+    torch.testing.assert_close(torch.cat(outs, dim=1), want, rtol=1e-6, atol=1e-6)
