@@ -272,9 +272,9 @@ def _write_report(rows: list[dict], copy_bw: float) -> None:
 def _sweep_grid(qtype, M, N, K, sms):
     qk = GGML_QUANT_SIZES[qtype][0]
     nb = K // qk
-    kbs_set = (1, 2, 4) if qk == 256 else (8, 16, 32)
+    kbs_set = (1, 2, 4) if qk == 256 else (4, 8, 16)
     grid = []
-    for use_dot in ((False, True) if M > 4 else (False,)):
+    for use_dot in ((False, True) if M == 1 else (True,)):  # FMA path: one activation row
         for block_n in ((16, 32) if use_dot else (8, 16, 32)):
             for kbs in kbs_set:
                 if kbs > nb or (use_dot and kbs * qk < 64):

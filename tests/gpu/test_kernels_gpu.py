@@ -32,7 +32,7 @@ OUT_ROUNDING = 2.0 ** -8  # one round-to-nearest to bf16 (fp16: 2**-11)
 
 
 def _eps_sum(M: int, dtype: torch.dtype, cfg: GemvConfig | None) -> float:
-    use_dot = cfg.use_dot if cfg is not None else M > 4
+    use_dot = cfg.use_dot if cfg is not None else M > 1
     return 2.0 ** -8 if use_dot else 2.0 ** -16
 
 

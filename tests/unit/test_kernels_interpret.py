@@ -88,10 +88,12 @@ else:
 
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
     def test_gemv_bf16_activations(qtype):
-        x, w, ref, bound = _case(qtype, M=2, N=5, K=_k(qtype, 2), seed=10 + int(qtype), dtype=torch.bfloat16)
-        y = gguf_linear(x, w, qtype, 5)
-        assert y.dtype == torch.bfloat16 and y.shape == (2, 5)
-        _check(y, ref, bound, rel_out=2.0 ** -7, what="bf16")
+        """M = 1 (FMA path, fp32 sums of exact products) and M = 3 (tensor cores, weights rounded to bf16)."""
+        for M, rel_sum in ((1, FP32_EPS), (3, 2.0 ** -8)):
+            x, w, ref, bound = _case(qtype, M=M, N=5, K=_k(qtype, 2), seed=10 + int(qtype), dtype=torch.bfloat16)
+            y = gguf_linear(x, w, qtype, 5)
+            assert y.dtype == torch.bfloat16 and y.shape == (M, 5)
+            _check(y, ref, bound, rel_out=2.0 ** -7, rel_sum=rel_sum, what=f"bf16 M={M}")
 
     @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

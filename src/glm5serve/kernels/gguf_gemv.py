@@ -115,25 +115,29 @@ def _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask,
                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += x[:, kidx] (*) w.  w: [BN, G, T] fp32 weights; kidx/kmask: [G, T] column of each weight.
 
-    FMA path: acc is [BLOCK_M, BN, G] fp32 (reduced over G after the K loop).  Dot path: acc is [BLOCK_M, BN].
+    FMA path (one activation row): acc is [BN, G, T] fp32, one FMA per weight, reduced after the K loop.
+    Dot path: acc is [BLOCK_M, BN]; x rows beyond m_rows read as zeros.
     """
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < m_rows
     if USE_DOT:
         BN: tl.constexpr = w.shape[0]
         GT: tl.constexpr = w.shape[1] * w.shape[2]
+        m = tl.arange(0, BLOCK_M)
         k2 = tl.reshape(kidx, [GT])
         km2 = tl.reshape(kmask, [GT])
-        xs = tl.load(x_ptr + m[:, None] * stride_xm + k2[None, :], mask=mmask[:, None] & km2[None, :], other=0.0,
-                     eviction_policy="evict_last")
+        xs = tl.load(x_ptr + m[:, None] * stride_xm + k2[None, :], mask=(m < m_rows)[:, None] & km2[None, :],
+                     other=0.0, eviction_policy="evict_last")
         wd = tl.reshape(w, [BN, GT]).to(xs.dtype)
         acc = tl.dot(xs, tl.trans(wd), acc)
     else:
-        xs = tl.load(x_ptr + m[:, None, None] * stride_xm + kidx[None, :, :],
-                     mask=mmask[:, None, None] & kmask[None, :, :], other=0.0,
-                     eviction_policy="evict_last").to(tl.float32) * xscale
-        acc += tl.sum(w[None, :, :, :] * xs[:, None, :, :], axis=3)
+        xm = tl.load(x_ptr + kidx, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc += w * (xm * xscale)[None, :, :]
     return acc
+
+
+@triton.jit
+def _one_bits(nb):
+    """bits(1.0f) as a run-time value (nb >= 0): held in a register, ptxas fuses mask and OR into one LOP3."""
+    return (nb >> 31) | _ONE
 
 
 @triton.jit
@@ -177,6 +181,7 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale
     kb = b0 + g // 4
     j = g % 4
     bmask = kb < nb
+    one = _one_bits(nb)
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :] * WORDS
     h0 = tl.load(blk, mask=wmask, other=0)
@@ -194,7 +199,7 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale
     d = _f16_lo(h0)
     dmin = _f16_hi(h0)
     l = tl.arange(0, 32)
-    kmask = bmask[:, None] & (l < 32)[None, :]
+    kmask = tl.broadcast_to(bmask[:, None], [4 * KBS, 32])
     kbase = (kb * 256 + j * 64)[:, None] + l[None, :]
     P: tl.constexpr = 18 if FIVE else 19  # code bits P..22
     for hi in tl.static_range(2):
@@ -203,7 +208,7 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale
         bits = tl.join(tl.join(_kquant_code(q, qh, 0, hi, P, FIVE), _kquant_code(q, qh, 2, hi, P, FIVE)),
                        tl.join(_kquant_code(q, qh, 1, hi, P, FIVE), _kquant_code(q, qh, 3, hi, P, FIVE)))
         bits = tl.reshape(bits, [q.shape[0], q.shape[1], 32])
-        w = _weights(bits | _ONE, d * sc, -(dmin * mn), P)
+        w = _weights(bits | one, d * sc, -(dmin * mn), P)
         acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kbase + 32 * hi, kmask, BLOCK_M, USE_DOT)
     return acc
 
@@ -219,10 +224,11 @@ def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
     kb = b0 + g // 2
     h = g % 2
     bmask = kb < nb
+    one = _one_bits(nb)
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 210
     d = _f16_bytes(blk + 208, wmask)
-    kmask = bmask[:, None] & (i0 < 16)[None, :]
+    kmask = tl.broadcast_to(bmask[:, None], [2 * KBS, 16])
     for i1 in tl.static_range(2):
         qh = tl.load(blk[:, :, None] + (128 + 16 * i1) + (32 * h)[None, :, None] + i0[None, None, :],
                      mask=wmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int32)
@@ -230,13 +236,12 @@ def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
             ql = tl.load(blk[:, :, None] + (32 * half + 16 * i1) + (64 * h)[None, :, None] + i0[None, None, :],
                          mask=wmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int32)
             for nib in tl.static_range(2):
-                c: tl.constexpr = 2 * nib + half
-                sc = tl.load(blk + (192 + 2 * c + i1) + (8 * h)[None, :], mask=wmask, other=0)
+                sc = tl.load(blk + (192 + 2 * (2 * nib + half) + i1) + (8 * h)[None, :], mask=wmask, other=0)
                 a = d * sc.to(tl.int8, bitcast=True).to(tl.float32)
                 # u = low4 | high2 << 4 placed at bit 17: v = 1 + u / 64
-                bits = ((ql << (17 - 4 * nib)) & (0xF << 17)) | ((qh << (21 - 2 * c)) & (0x3 << 21))
-                w = _weights(bits | _ONE, a, -32.0 * a, 17)
-                kidx = (kb * 256 + h * 128)[:, None] + (32 * c + 16 * i1) + i0[None, :]
+                bits = ((ql << (17 - 4 * nib)) & (0xF << 17)) | ((qh << (21 - 2 * (2 * nib + half))) & (0x3 << 21))
+                w = _weights(bits | one, a, -32.0 * a, 17)
+                kidx = (kb * 256 + h * 128)[:, None] + (32 * (2 * nib + half) + 16 * i1) + i0[None, :]
                 acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
 
@@ -249,6 +254,7 @@ def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
     i = tl.arange(0, 32)
     kb = b0 + g
     bmask = kb < nb
+    one = _one_bits(nb)
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 34
     d = _f16_bytes(blk, wmask)
@@ -258,7 +264,7 @@ def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
     bits = (q << 15) ^ (_ONE | 0x400000)
     w = _weights(bits, d, -128.0 * d, 15)
     kidx = (kb * 32)[:, None] + i[None, :]
-    kmask = bmask[:, None] & (i < 32)[None, :]
+    kmask = tl.broadcast_to(bmask[:, None], [KBS, 32])
     return _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
 
 
@@ -273,6 +279,7 @@ def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
     l = tl.arange(0, 16)
     kb = b0 + g
     bmask = kb < nb
+    one = _one_bits(nb)
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * BYTES
     d = _f16_bytes(blk, wmask)
@@ -283,15 +290,15 @@ def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
               | (tl.load(blk + 3, mask=wmask, other=0).to(tl.int32) << 8)
               | (tl.load(blk + 4, mask=wmask, other=0).to(tl.int32) << 16)
               | (tl.load(blk + 5, mask=wmask, other=0).to(tl.int32) << 24))
-    kmask = bmask[:, None] & (l < 16)[None, :]
+    kmask = tl.broadcast_to(bmask[:, None], [KBS, 16])
     P: tl.constexpr = 18 if FIVE else 19  # code bits P..22
     for hi in tl.static_range(2):
         bits = _shift(qs, P - 4 * hi) & (0xF << P)
         if FIVE:
             bits = bits | (((qh[:, :, None] >> (16 * hi + l)[None, None, :]) & 1) << (P + 4))
-            w = _weights(bits | _ONE, d, -16.0 * d, P)
+            w = _weights(bits | one, d, -16.0 * d, P)
         else:
-            w = _weights(bits | _ONE, d, -8.0 * d, P)
+            w = _weights(bits | one, d, -8.0 * d, P)
         kidx = (kb * 32)[:, None] + 16 * hi + l[None, :]
         acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
@@ -321,19 +328,21 @@ def _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
 
 
 @triton.jit
-def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, USE_DOT: tl.constexpr):
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
+              USE_DOT: tl.constexpr):
     if USE_DOT:
         return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
-        return tl.zeros([BLOCK_M, BLOCK_N, G], dtype=tl.float32)
+        return tl.zeros([BLOCK_N, G, T], dtype=tl.float32)
 
 
 @triton.jit
 def _reduce_acc(acc, USE_DOT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 sums (BLOCK_M = 1 on the FMA path)."""
     if USE_DOT:
         return acc
     else:
-        return tl.sum(acc, axis=2)
+        return tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
 
 
 @triton.jit
@@ -349,7 +358,7 @@ def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, stride_xm, m_r
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                  stride_xm, stride_wn, stride_ym,
                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
-                 G: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                 G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     """Grid (N tiles, SPLIT_K, M tiles).  With SPLIT_K > 1, part_ptr is fp32 [SPLIT_K, M tiles * BLOCK_M, N]
     scratch and count_ptr int32 [M tiles * N tiles] counters that are zero on entry and left zero on exit."""
     pid_n = tl.program_id(0)
@@ -361,7 +370,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
     m0 = pid_m * BLOCK_M
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    acc = _zero_acc(BLOCK_M, BLOCK_N, G, USE_DOT)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
     acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm, stride_xm,
                     M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT)
     y = _reduce_acc(acc, USE_DOT)
@@ -466,12 +475,11 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
             return cfg
     qk = BLOCK_SIZES[qtype][0]
     nb = K // qk
-    use_dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
+    use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n = 32 if use_dot else 16
-    kbs = min(2 if qk == 256 else 16, _pow2_at_most(nb))
-    if use_dot:  # the dot needs >= 16 along K per slice (G*T)
-        kbs = max(kbs, 2)
-    m_tiles = triton.cdiv(M, 16 if use_dot else min(triton.next_power_of_2(M), 4))
+    # tiles of 4-8K weights keep ~128 registers per thread (4 programs per SM; see test_kernels_compile.py)
+    kbs = min((1 if use_dot else 2) if qk == 256 else (4 if use_dot else 8), _pow2_at_most(nb))
+    m_tiles = triton.cdiv(M, 16) if use_dot else M
     programs = triton.cdiv(N, block_n) * m_tiles
     steps = triton.cdiv(nb, kbs)
     split = max(1, min(steps, triton.cdiv(4 * sms, programs)))
@@ -541,7 +549,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
-    block_m = 16 if use_dot else min(triton.next_power_of_2(M), 4)
+    block_m = 16 if use_dot else 1
     w = _as_words(qweight, qtype)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), config.kbs) * config.kbs
     split = triton.cdiv(nb, blocks_per_split)
@@ -553,6 +561,6 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     else:
         part = counters = y  # unused
     _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
-                       QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G,
+                       QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G, T=T,
                        USE_DOT=use_dot, SPLIT_K=split, num_warps=config.num_warps)
     return y

@@ -34,7 +34,8 @@ from glm5serve.kernels.gguf_gemv import (
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
                         stride_xm, stride_we, stride_wn, stride_hm,
-                        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr, G: tl.constexpr):
+                        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
+                        G: tl.constexpr, T: tl.constexpr):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -42,10 +43,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
     rmask = (rows < inter) & (e >= 0)  # e < 0: expert not on this rank (expert parallelism)
     base = w_ptr + tl.maximum(e, 0) * stride_we
     x_row = x_ptr + (pair // topk).to(tl.int64) * stride_xm
-    gate = _zero_acc(1, BLOCK_N, G, False)
+    gate = _zero_acc(1, BLOCK_N, G, T, False)
     gate = _rows_dot(gate, base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, stride_xm, 1, 1.0,
                      QTYPE, KBS, 1, False)
-    up = _zero_acc(1, BLOCK_N, G, False)
+    up = _zero_acc(1, BLOCK_N, G, T, False)
     up = _rows_dot(up, base + (rows + inter).to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, stride_xm, 1,
                    1.0, QTYPE, KBS, 1, False)
     g = _reduce_acc(gate, False)
@@ -56,12 +57,13 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
                      stride_hm, stride_we, stride_wn, stride_ym,
-                     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr, G: tl.constexpr):
+                     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
+                     G: tl.constexpr, T: tl.constexpr):
     tok = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < hidden
-    acc = _zero_acc(1, BLOCK_N, G, False)
+    acc = _zero_acc(1, BLOCK_N, G, T, False)
     for s in range(topk):
         pair = tok * topk + s
         e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -91,7 +93,7 @@ def _block_n(row_tiles_of_16: int, items: int, sms: int) -> int:
 
 
 def _kbs(qtype: int, nb: int) -> int:
-    return min(2 if BLOCK_SIZES[qtype][0] == 256 else 16, _pow2_at_most(nb))
+    return min(2 if BLOCK_SIZES[qtype][0] == 256 else 8, _pow2_at_most(nb))
 
 
 def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -146,17 +148,17 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     nb13 = H // BLOCK_SIZES[q13][0]
     bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
     kbs = _kbs(q13, nb13)
-    G, _ = tile_shape(q13, kbs)
+    G, T = tile_shape(q13, kbs)
     _moe_gate_up_kernel[(T_ * k, triton.cdiv(inter, bn))](
         x, w13w, ids, h, inter, nb13, k, x.stride(0), w13w.stride(0), w13w.stride(1), h.stride(0),
-        QTYPE=q13, BLOCK_N=bn, KBS=kbs, G=G, num_warps=4)
+        QTYPE=q13, BLOCK_N=bn, KBS=kbs, G=G, T=T, num_warps=4)
 
     y = x.new_empty((T_, H))
     nb2 = inter // BLOCK_SIZES[q2][0]
     bn = _block_n(triton.cdiv(H, 16), T_, sms)
     kbs = _kbs(q2, nb2)
-    G, _ = tile_shape(q2, kbs)
+    G, T = tile_shape(q2, kbs)
     _moe_down_kernel[(T_, triton.cdiv(H, bn))](
         h, w2w, ids, wts, y, H, nb2, k, h.stride(0), w2w.stride(0), w2w.stride(1), y.stride(0),
-        QTYPE=q2, BLOCK_N=bn, KBS=kbs, G=G, num_warps=4)
+        QTYPE=q2, BLOCK_N=bn, KBS=kbs, G=G, T=T, num_warps=4)
     return y

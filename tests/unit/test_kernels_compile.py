@@ -1,0 +1,123 @@
+"""The GGUF Triton kernels compiled ahead of time for Hopper (sm_90) on a machine without a GPU, with the ptxas and
+cuobjdump that ship inside Triton: every type on both paths compiles, nothing spills to local memory, and the
+main loop stays within an instruction budget per weight.
+
+Why a budget: a decode GEMV on an H200 must consume ~30 weights per SM clock to stream Q4_K at full bandwidth,
+and an SM issues 128 thread-instructions per clock, so instructions per weight in the K loop (counted in the SASS)
+bound the bandwidth a kernel can reach: ~4 for 100 % and ~8 for 50 % with Q4_K (more for wider types).  The
+budgets below are the counts measured when the kernels were written plus ~25 %: exceeding one is a performance
+regression (a layout conversion or a per-weight scale recomputation crept into the loop), not a failure to run.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles real kernels; not under the interpreter", allow_module_level=True)
+
+import importlib  # noqa: E402
+
+import triton  # noqa: E402
+
+g = importlib.import_module("glm5serve.kernels.gguf_gemv")
+gm = importlib.import_module("glm5serve.kernels.gguf_moe")  # the package exports a function of that name
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+if not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists():
+    pytest.skip("Triton's bundled ptxas/cuobjdump not found", allow_module_level=True)
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - other Triton layouts
+    pytest.skip("this Triton has no ASTSource/GPUTarget", allow_module_level=True)
+
+SM90 = GPUTarget("cuda", 90, 32)
+# Max SASS instructions per weight in the K loop: (FMA path at M = 1, tensor-core path), production tiles.
+# Measured with triton 3.8 (Q4_K 6.3 / 8.3, Q5_K 9.5 / 11.6, Q6_K 15.8 / 17.3, Q8_0 12.3 / 15.1, Q4_0 8.8 / 12.2,
+# Q5_0 12.7 / 19.1) plus 20 %.
+BUDGET = {g.Q4_K: (7.5, 10.0), g.Q5_K: (11.5, 14.0), g.Q6_K: (19.0, 21.0), g.Q8_0: (14.5, 18.0),
+          g.Q4_0: (10.5, 14.5), g.Q5_0: (15.0, 23.0)}
+
+
+def _compile(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...], num_warps: int = 4):
+    # Triton's launcher marks pointers and ints divisible by 16 with tt.divisibility; do the same here
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=SM90, options=dict(num_warps=num_warps))
+
+
+def _sass(compiled) -> tuple[str, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        run = lambda *a: subprocess.run([str(BIN / "cuobjdump"), *a, f.name], capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout
+        return run("--dump-sass"), run("--dump-resource-usage")
+
+
+def _loop_body(sass: str) -> list[str]:
+    """Opcodes of the largest loop (a backward branch and its target) in a SASS dump."""
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    best: list[str] = []
+    for addr, ins in lines:
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for a, i in lines if int(m.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+def _gemv(qtype: int, use_dot: bool):
+    cfg = g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132)
+    G, T = g.tile_shape(qtype, cfg.kbs)
+    xt = "*bf16"
+    sig = dict(x_ptr=xt, w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", y_ptr=xt, part_ptr="*fp32",
+               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_xm="i32",
+               stride_wn="i32", stride_ym="i32")
+    const = dict(QTYPE=qtype, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
+                 USE_DOT=use_dot, SPLIT_K=4)
+    k = _compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N",
+                                              "stride_xm", "stride_wn", "stride_ym"), cfg.num_warps)
+    per_thread = cfg.block_n * cfg.kbs * g.BLOCK_SIZES[qtype][0] / (32 * cfg.num_warps)
+    return k, per_thread
+
+
+@pytest.mark.parametrize("use_dot", (False, True), ids=("fma", "dot"))
+@pytest.mark.parametrize("qtype", sorted(BUDGET), ids=lambda q: g._NAMES[q])
+def test_gemv_compiles_for_sm90_within_budget(qtype, use_dot):
+    k, weights_per_thread = _gemv(qtype, use_dot)
+    sass, usage = _sass(k)
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    ops = collections.Counter(_loop_body(sass))
+    assert stack == 0 and not any(o.startswith(("LDL", "STL")) for o in ops), f"spills: {usage.strip()}"
+    if use_dot:
+        assert any(o.startswith("HMMA") for o in ops), "the dot path must use the tensor cores"
+    per_weight = sum(ops.values()) / weights_per_thread
+    budget = BUDGET[qtype][use_dot]
+    assert per_weight <= budget, (f"{g._NAMES[qtype]} {'dot' if use_dot else 'fma'}: {per_weight:.2f} SASS "
+                                  f"instructions per weight > {budget}; top: {ops.most_common(8)}")
+
+
+@pytest.mark.parametrize("qtype", (g.Q4_K, g.Q6_K), ids=lambda q: g._NAMES[q])
+def test_moe_kernels_compile_for_sm90(qtype):
+    kbs = gm._kbs(qtype, 8)
+    G, T = g.tile_shape(qtype, kbs)
+    wt = "*i32" if qtype in g._WORD_TYPES else "*u8"
+    const = dict(QTYPE=qtype, BLOCK_N=16, KBS=kbs, G=G, T=T)
+    up = _compile(gm._moe_gate_up_kernel, dict(x_ptr="*bf16", w_ptr=wt, ids_ptr="*i32", h_ptr="*fp32", inter="i32",
+                                               nb="i32", topk="i32", stride_xm="i32", stride_we="i32",
+                                               stride_wn="i32", stride_hm="i32"), const, ("x_ptr", "w_ptr", "h_ptr"))
+    down = _compile(gm._moe_down_kernel, dict(h_ptr="*fp32", w_ptr=wt, ids_ptr="*i32", wts_ptr="*fp32",
+                                              y_ptr="*bf16", hidden="i32", nb="i32", topk="i32", stride_hm="i32",
+                                              stride_we="i32", stride_wn="i32", stride_ym="i32"), const,
+                    ("h_ptr", "w_ptr", "y_ptr"))
+    for k in (up, down):
+        usage = _sass(k)[1]
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
