@@ -168,11 +168,8 @@ def test_replicated_linear_loads_gguf_weight(vllm_ctx):
 
 def _reference_gguf_matmul(x, qweight, qweight_type):
     """CPU stand-in for the plugin's CUDA/Triton ``_fused_mul_mat_gguf``: dequantize with gguf-py, then x @ W.T."""
-    from gguf import GGML_QUANT_SIZES
-
     if Q(int(qweight_type)) in (Q.F32, Q.F16, Q.BF16):
         return x @ qweight.T
-    block, size = GGML_QUANT_SIZES[Q(int(qweight_type))]
     w = dequantize(qweight.cpu().numpy(), Q(int(qweight_type)))
     return x @ torch.from_numpy(np.ascontiguousarray(w)).to(x.dtype).T
 
