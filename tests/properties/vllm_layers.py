@@ -141,18 +141,19 @@ def vllm_layers(tiny_checkpoint):
 _MODELS: dict = {}
 
 
-def tiny_vllm_model(path, tp: int = 1, rank: int = 0):
-    """vLLM's GLM-5 class (``generic``) for rank ``rank`` of ``tp``, fp32, loaded from the GGUF at ``path`` by
-    :func:`glm5serve.vllm_plugin.cpu.build_and_load`, then every linear, embedding and MoE layer's quant method's
-    ``process_weights_after_loading`` (attention has no CPU kernels and is left alone). Built once per process."""
-    from glm5serve.vllm_plugin.cpu import build_and_load
-
+def tiny_vllm_model(path, tp: int = 1, rank: int = 0, **overrides):
+    """vLLM's GLM-5 class (``generic``) for rank ``rank`` of ``tp``, fp32, ``overrides`` set on its HF config,
+    loaded from the GGUF at ``path`` by :func:`glm5serve.vllm_plugin.cpu.build_and_load`, then every linear,
+    embedding and MoE layer's ``quant_method.process_weights_after_loading`` (attention has no CPU kernels and is
+    left alone). Built once per process."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    key = (str(path), tp, rank)
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    key = (str(path), tp, rank, tuple(sorted(overrides.items())))
     if key not in _MODELS:
-        model, _ = build_and_load(path, tp=tp, rank=rank, dtype=torch.float32)
+        model, _ = build_and_load(path, tp=tp, rank=rank, dtype=torch.float32, config_overrides=overrides)
         with _simulated(tp, rank):
             for module in model.modules():
                 if isinstance(module, (LinearBase, VocabParallelEmbedding)) or hasattr(module, "w13_qweight"):
