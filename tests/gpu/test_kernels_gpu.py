@@ -224,3 +224,33 @@ def test_pick_config_fills_the_gpu():
             cfg = pick_config(qtype, 1, N, K, sms)
             programs = -(-N // cfg.block_n) * cfg.split_k
             assert programs >= 2 * sms or cfg.split_k * cfg.kbs * BLOCK_SIZES[int(qtype)][0] >= K, (qtype, N, K, cfg)
+
+
+def test_vllm_ops_route_decode_batches_to_glm5serve():
+    """After vllm_ops.install(), the plugin's linear/MoE op lookups run glm5serve's kernels for <= 16 rows and the
+    plugin's own kernels for larger batches."""
+    pytest.importorskip("vllm_gguf_plugin", reason="vllm-gguf-plugin not importable")
+    from vllm_gguf_plugin import quantization
+
+    from glm5serve.kernels import vllm_ops
+
+    plugin_mul_mat, plugin_moe = quantization.fused_mul_mat_gguf, quantization.fused_moe_gguf
+    assert vllm_ops.install()
+    qtype, N, K = Q.Q4_K, 512, 1024
+    for M in (1, 16, 40):
+        x, w, ref, bound = _linear_case(qtype, M, N, K, torch.bfloat16, seed=M)
+        y = quantization.fused_mul_mat_gguf(x, w, int(qtype))
+        if M <= 16:
+            assert torch.equal(y, gguf_linear(x, w, qtype, N))
+        elif not getattr(plugin_mul_mat, vllm_ops._MARK, False):
+            assert torch.equal(y, plugin_mul_mat(x, w, int(qtype)))
+        _assert_close(y, ref, bound, 2.0 ** -7, f"vllm op M={M}")
+    rng = np.random.default_rng(5)
+    E, H, inter, T, k = 8, 512, 256, 4, 2
+    w13 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, 2 * inter, H, rng) for _ in range(E)])).to(DEV)
+    w2 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, H, inter, rng) for _ in range(E)])).to(DEV)
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
+    wts = torch.rand(T, k, device=DEV)
+    y = quantization.fused_moe_gguf(x, w13, w2, wts, ids, int(Q.Q4_K), int(Q.Q4_K), "silu")
+    assert torch.equal(y, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q4_K))
