@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES
-from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
+from glm5serve.kernels.testing import dequant, random_qweight, random_qweight_torch, reference_linear, reference_moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,9 +91,16 @@ GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 
 @pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
 def test_gemv_glm5_shapes_production_config(qtype, shape, M):
-    """The launch parameters pick_config chooses on this GPU, on every GLM-5 shape of the benchmark."""
+    """The launch parameters pick_config chooses on this GPU, on every GLM-5 shape of the benchmark (weights made
+    and dequantized on the GPU with glm5serve.dequant, which is bit-exact with gguf-py, to keep this fast)."""
+    from glm5serve.dequant import dequantize
+
     N, K = GLM5_SHAPES[shape]
-    x, w, ref, bound = _linear_case(qtype, M, N, K, torch.bfloat16, seed=M * 1000 + N)
+    gen = torch.Generator(DEV).manual_seed(M * 1000 + N)
+    w = random_qweight_torch(qtype, (N, K), DEV, gen)
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    W = dequantize(w, qtype, dtype=torch.float32).double()
+    ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
     y = gguf_linear(x, w, qtype, N)
     _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
 
@@ -234,7 +241,7 @@ def test_vllm_ops_route_decode_batches_to_glm5serve():
 
     from glm5serve.kernels import vllm_ops
 
-    plugin_mul_mat, plugin_moe = quantization.fused_mul_mat_gguf, quantization.fused_moe_gguf
+    plugin_mul_mat = quantization.fused_mul_mat_gguf
     assert vllm_ops.install()
     qtype, N, K = Q.Q4_K, 512, 1024
     for M in (1, 16, 40):

@@ -58,9 +58,9 @@ def _sass(compiled) -> tuple[str, str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        run = lambda *a: subprocess.run([str(BIN / "cuobjdump"), *a, f.name], capture_output=True, text=True,  # noqa: E731
-                                        check=True).stdout
-        return run("--dump-sass"), run("--dump-resource-usage")
+        out = [subprocess.run([str(BIN / "cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
+               for flag in ("--dump-sass", "--dump-resource-usage")]
+    return out[0], out[1]
 
 
 def _loop_body(sass: str) -> list[str]:

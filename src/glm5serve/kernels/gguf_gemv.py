@@ -19,8 +19,13 @@ bound by its instruction count before it reaches that bandwidth):
 - Wide loads: Q4_K/Q5_K are read as int32 words (16-byte vectors), the other types as bytes that Triton
   vectorises where the block layout allows; each slice of decoded weights covers 16-32 consecutive columns,
   so the activations are read as contiguous vectors, once per ``BLOCK_N`` rows.
-- For M <= 4 the dot products run on the FMA units (partial sums per 16-32 columns, carried over the K loop);
-  for larger M the dequantized tile goes to ``tl.dot`` (tensor cores) with x padded to 16 rows.
+- For one activation row the products run on the FMA units (one FMA per weight into per-weight accumulators,
+  reduced after the K loop); for 2..16 rows the dequantized tile goes to ``tl.dot`` (tensor cores) with x
+  padded to 16 rows.
+
+``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
+instruction count per weight in the K loop within a budget (~6-8 for Q4_K: the H200 issues enough instructions
+for ~4 per weight at full bandwidth).
 """
 from __future__ import annotations
 
@@ -50,8 +55,9 @@ _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters: ``block_n`` rows per program, ``kbs`` quant blocks per row and loop step,
-    ``split_k`` programs along K (partial sums meet through fp32 atomics), ``use_dot`` for tensor cores
-    (ignored where the MMA cannot run: fp32 activations, ``block_n < 16``, fewer than 16 weights per slice)."""
+    ``split_k`` programs along K (fp32 partials; the last program of a tile sums them), ``use_dot`` for the
+    tensor cores with x padded to 16 rows (ignored where the MMA cannot run: fp32 activations,
+    ``block_n < 16``); without it each program takes one activation row."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
