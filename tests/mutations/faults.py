@@ -1,0 +1,94 @@
+"""The planted faults of issue 6 (item 4): each one a small textual patch that brings back a failure class of
+``docs/bug-classes.md`` in a copy of the code, and the CPU tests that must catch it.
+
+``path`` is relative to the repository root, or ``plugin:<path>`` inside the installed ``vllm_gguf_plugin`` package
+(copied and patched, then put first on ``PYTHONPATH``). ``edits`` are ``(old, new)`` replacements; each ``old`` must
+occur exactly once in the file (else the list is stale and ``run.py`` says so). ``tests`` are pytest node ids
+(``file`` or ``file::test``, parametrisations included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    bug_class: str
+    what: str
+    path: str
+    edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+
+
+P = "tests/properties/"
+U = "tests/unit/"
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("unsorted-shards", "1", "the plugin pads and runs fused shards in arrival order, not declared order",
+          "plugin:quantization/params.py",
+          (("return sorted(shard_ids, key=_gguf_shard_id_as_int)", "return list(shard_ids)"),),
+          (P + "test_fused_shard_order.py",
+           U + "test_vllm_faults.py::test_fused_qkv_a_is_in_declared_order_whatever_the_storage_order")),
+    Fault("rank0-slicing", "2", "glm5serve's fix for vllm-gguf-plugin#103 passes rank 0 instead of this rank",
+          "src/glm5serve/vllm_plugin/fixes.py",
+          (('kwargs["tp_rank"] = get_tensor_model_parallel_rank()', 'kwargs["tp_rank"] = 0'),),
+          (P + "test_tp_recombination.py", P + "test_fused_shard_order.py",
+           U + "test_vllm_faults.py::test_merged_column_gguf_weight_holds_this_ranks_rows",
+           U + "test_vllm_faults.py::test_qkv_gguf_weight_holds_this_ranks_rows")),
+    Fault("neox-rope-vllm", "12", "the config tells vLLM the indexer RoPE is NEOX (indexer_rope_interleave=False)",
+          "src/glm5serve/config.py",
+          (("indexer_rope_interleave=True,", "indexer_rope_interleave=False,"),),
+          (P + "test_bug_classes.py::test_class12_vllm_indexer_and_mla_rope_are_interleaved",)),
+    Fault("neox-rope-reference", "12", "the reference's DSA indexer rotates half-split (NEOX) pairs",
+          "src/glm5serve/reference.py",
+          (("apply_rope_interleaved(q[..., :r], cos, sin)",
+            "apply_rope_interleaved(q[..., :r].unflatten(-1, (2, r // 2)).transpose(-1, -2).flatten(-2), cos, sin)"),
+           ("apply_rope_interleaved(k[:, :r], cos, sin)",
+            "apply_rope_interleaved(k[:, :r].unflatten(-1, (2, r // 2)).transpose(-1, -2).flatten(-2), cos, sin)")),
+          (U + "test_reference.py::test_logits_match_transformers",
+           U + "test_reference.py::test_hidden_states_match_transformers_layer_by_layer")),
+    Fault("scaling-twice", "11", "the reference multiplies the routed output by routed_scaling_factor again",
+          "src/glm5serve/reference.py",
+          (("return self.routed_experts(i, x) + shared",
+            "return self.routed_experts(i, x) * self.routed_scaling_factor + shared"),),
+          (U + "test_reference.py::test_logits_match_transformers",
+           P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference")),
+    Fault("scaling-never-config", "11", "the config ignores expert_weights_scale (vLLM and reference scale by 1)",
+          "src/glm5serve/config.py",
+          (('routed_scaling_factor=float(opt("expert_weights_scale", 1.0)),', "routed_scaling_factor=1.0,"),),
+          (P + "test_bug_classes.py::test_class11_vllm_routed_output_scales_linearly_with_routed_scaling_factor",)),
+    Fault("bias-in-weights", "11/14", "the reference weights experts by sigmoid + e_score_correction_bias",
+          "src/glm5serve/reference.py",
+          (("weights = scores.gather(1, ids)", "weights = choice.gather(1, ids)"),),
+          (U + "test_reference.py::test_logits_match_transformers",
+           P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference")),
+    Fault("softmax-gating-reference", "14", "the reference router scores experts with softmax",
+          "src/glm5serve/reference.py",
+          (("scores = logits.sigmoid()", "scores = logits.softmax(dim=-1)"),),
+          (U + "test_reference.py::test_logits_match_transformers",
+           P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference")),
+    Fault("softmax-gating-vllm", "14", "the config tells vLLM to score experts with softmax",
+          "src/glm5serve/config.py",
+          (('scoring_func="sigmoid" if gating == GATING_SIGMOID else "softmax",', 'scoring_func="softmax",'),),
+          (P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference",)),
+    Fault("k_b-no-transpose", "5", "kv_b_proj re-fused with attn_k_b reshaped instead of transposed",
+          "src/glm5serve/schema.py",
+          (("torch.cat([k_b.transpose(1, 2), v_b], dim=1)", "torch.cat([k_b.reshape(h, nope, kvl), v_b], dim=1)"),),
+          (U + "test_config_schema.py::test_split_kv_b_matches_the_converter_and_merge_inverts_it",
+           U + "test_vllm_load.py::test_tiny_ud_q4_k_xl_every_parameter_every_rank")),
+    # extra faults, one per class the new properties cover, to show each of them is sharp
+    Fault("norm-eps-config", "14", "the config uses 1e-6 for every RMSNorm instead of the GGUF's epsilon",
+          "src/glm5serve/config.py",
+          (('rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),', "rms_norm_eps=1e-6,"),),
+          (P + "test_bug_classes.py::test_class14_vllm_norms_use_the_gguf_epsilons",)),
+    Fault("substring-rename", "6", "glm5serve's fix for vllm-gguf-plugin PR#131 is not installed",
+          "src/glm5serve/vllm_plugin/fixes.py",
+          (("fixed = iterator if getattr(iterator, _MARK, False) else _mark(_suffix_only_names(iterator))",
+            "fixed = iterator"),),
+          (P + "test_bug_classes.py::test_class6_plugin_renames_only_the_weight_suffix",)),
+    Fault("tp-cuts-blocks", "3", "the TP check forgets that a row-parallel share must be whole quant blocks",
+          "src/glm5serve/verify.py",
+          (("(t.shape[-1] % tp or (t.shape[-1] // tp) % block)", "(t.shape[-1] % tp)"),),
+          (P + "test_tp_recombination.py::test_tp_that_cuts_a_quant_block_is_refused",)),
+)
