@@ -275,7 +275,7 @@ def _sweep_grid(qtype, M, N, K, sms):
     kbs_set = (1, 2, 4) if qk == 256 else (4, 8, 16)
     grid = []
     for use_dot in ((False, True) if M == 1 else (True,)):  # FMA path: one activation row
-        for block_n in ((16, 32) if use_dot else (8, 16, 32)):
+        for block_n in ((32, 64) if use_dot else (8, 16, 32)):
             for kbs in kbs_set:
                 if kbs > nb or (use_dot and kbs * qk < 64):
                     continue

@@ -468,6 +468,12 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+# (block_n, kbs) per type: the fewest SASS instructions per weight without spills, at <= ~190 registers
+# (tests/unit/test_kernels_compile.py); the dot path amortises its x operand over 64 rows where that fits.
+_FMA_TILE = {Q4_K: (16, 2), Q5_K: (16, 2), Q6_K: (16, 2), Q8_0: (16, 8), Q4_0: (16, 8), Q5_0: (16, 8)}
+_DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (64, 2), Q5_0: (64, 2)}
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16,
                 device_name: str = "") -> GemvConfig:
@@ -479,12 +485,10 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         cfg = tuned.get((qtype, m, N, K))
         if cfg is not None and (not cfg.use_dot or dtype in (torch.bfloat16, torch.float16)):
             return cfg
-    qk = BLOCK_SIZES[qtype][0]
-    nb = K // qk
+    nb = K // BLOCK_SIZES[qtype][0]
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
-    block_n = 32 if use_dot else 16
-    # tiles of 4-8K weights keep ~128 registers per thread (4 programs per SM; see test_kernels_compile.py)
-    kbs = min((1 if use_dot else 2) if qk == 256 else (4 if use_dot else 8), _pow2_at_most(nb))
+    block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
+    kbs = min(kbs, _pow2_at_most(nb))
     m_tiles = triton.cdiv(M, 16) if use_dot else M
     programs = triton.cdiv(N, block_n) * m_tiles
     steps = triton.cdiv(nb, kbs)
