@@ -55,7 +55,7 @@ else:
     from hypothesis import strategies as st
     from triton.runtime import interpreter as _interp
 
-    from glm5serve.mla.testing import make_batch
+    from glm5serve.mla.testing import batch_params, make_batch
     from glm5serve.mla.triton_mla import mla_decode, mla_prefill, mla_reference, prefill_kv_lens
     from glm5serve.schema import split_kv_b
 
@@ -80,30 +80,11 @@ else:
 
     dims = st.sampled_from([(16, 16), (32, 16), (48, 8), (24, 0)])  # (kv_lora, rope): non-pow2 and NoPE too
 
-    @st.composite
-    def decode_batches(draw):
-        block_size = draw(st.sampled_from([4, 8, 16]))
-        topk = draw(st.none() | st.sampled_from([4, 8, 20]))
-        edge = topk or block_size
-        B = draw(st.integers(1, 3))
-        seq_lens = [max(1, draw(st.sampled_from([edge - 1, edge, edge + 1, 2 * block_size + 1, 1])))
-                    for _ in range(B)]
-        q_lens = [draw(st.integers(1, min(2, s))) for s in seq_lens]
-        return dict(seq_lens=seq_lens, q_lens=q_lens, block_size=block_size, topk=topk,
-                    num_heads=draw(st.sampled_from([1, 3, 8, 16, 19])), dims=draw(dims),
-                    dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
-                    pad_tokens=draw(st.integers(0, 2)), block_pad=draw(st.sampled_from([0, 3])),
-                    scatter_pad=draw(st.booleans()), topk_fill=draw(st.sampled_from([1.0, 0.5])),
-                    num_splits=draw(st.sampled_from([1, 2, 5])), seed=draw(st.integers(0, 2**16)))
-
     def _build(p):
-        L, R = p["dims"]
-        return make_batch(p["seq_lens"], p["q_lens"], p["num_heads"], L, R, p["block_size"], p["dtype"],
-                          topk=p["topk"], pad_tokens=p["pad_tokens"], block_pad=p["block_pad"],
-                          scatter_pad=p["scatter_pad"], topk_fill=p["topk_fill"], seed=p["seed"])
+        return make_batch(**{k: v for k, v in p.items() if k != "num_splits"})
 
     @settings(max_examples=20)
-    @given(decode_batches())
+    @given(batch_params())
     def test_decode_matches_reference(p):
         """Dense and sparse (logical and physical indices) decode == reference; padding rows give (0, -inf)."""
         b = _build(p)

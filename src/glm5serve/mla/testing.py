@@ -116,3 +116,78 @@ def make_batch(seq_lens: Sequence[int], q_lens: Sequence[int], num_heads: int, k
         kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
         topk=topk_t, scale=scale if scale is not None else D ** -0.5, num_real=num_real, written=written,
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=dev), query_start_loc=qsl.to(dev))
+
+
+def batch_params(heads=(1, 3, 8, 16, 19), dims=((16, 16), (32, 16), (48, 8), (24, 0)), block_sizes=(4, 8, 16),
+                 topks=(4, 8, 20), max_reqs: int = 3):
+    """Hypothesis strategy of :func:`make_batch` arguments (plus ``num_splits``): lengths on both sides of the
+    block size and the top-k width, 1-2 query tokens per request, padding rows, wide block strides, -1 padding
+    at the end or scattered, partly filled top-k lists, bf16 and fp16."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def params(draw):
+        block_size = draw(st.sampled_from(block_sizes))
+        topk = draw(st.none() | st.sampled_from(topks))
+        edge = topk or block_size
+        seq_lens = [max(1, draw(st.sampled_from([edge - 1, edge, edge + 1, 2 * block_size + 1, 1])))
+                    for _ in range(draw(st.integers(1, max_reqs)))]
+        L, R = draw(st.sampled_from(dims))
+        return dict(seq_lens=seq_lens, q_lens=[draw(st.integers(1, min(2, s))) for s in seq_lens],
+                    num_heads=draw(st.sampled_from(heads)), kv_lora_rank=L, rope_dim=R, block_size=block_size,
+                    dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])), topk=topk,
+                    pad_tokens=draw(st.integers(0, 2)), block_pad=draw(st.sampled_from([0, 3])),
+                    scatter_pad=draw(st.booleans()), topk_fill=draw(st.sampled_from([1.0, 0.5])),
+                    seed=draw(st.integers(0, 2**16)), num_splits=draw(st.sampled_from([1, 2, 5])))
+
+    return params()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's sparse MLA kernels on the same inputs (H100/H200/B200 only), as vLLM's backends call them
+# ---------------------------------------------------------------------------------------------------------------
+
+def padded_query(q_nope: torch.Tensor, q_pe: torch.Tensor, multiple: int = 64) -> torch.Tensor:
+    """[q_nope | q_pe] with the head count zero-padded to a multiple of ``multiple`` (FlashMLA sparse needs 64/128
+    heads; vLLM's FLASHMLA_SPARSE pads the same way)."""
+    T, H, L = q_nope.shape
+    Hp = -(-H // multiple) * multiple
+    q = q_nope.new_zeros(T, Hp, L + q_pe.shape[2])
+    q[:, :H, :L] = q_nope
+    q[:, :H, L:] = q_pe
+    return q
+
+
+def flashmla_sparse(q_padded: torch.Tensor, kv_cache: torch.Tensor, topk_rows: torch.Tensor, scale: float,
+                    num_heads: int, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FLASHMLA_SPARSE kernel (``flash_mla_sparse_fwd``) on physical top-k rows: (out (T, H, L), lse (T, H)
+    natural log, +inf for a token without keys). Raises RuntimeError where FlashMLA is not built or supported."""
+    from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd, is_flashmla_sparse_supported
+
+    ok, why = is_flashmla_sparse_supported()
+    if not ok:
+        raise RuntimeError(f"FlashMLA sparse unavailable: {why}")
+    kv = kv_cache.reshape(-1, 1, kv_cache.shape[-1])
+    out, _, lse = flash_mla_sparse_fwd(q_padded, kv, topk_rows.unsqueeze(1), scale, d_v=kv_lora_rank)
+    return out[:, :num_heads], lse[:, :num_heads]
+
+
+def fa3_sparse(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, topk_rows: torch.Tensor,
+               scale: float, cu_seqlens_q: torch.Tensor | None = None, valid_counts: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FLASH_ATTN_MLA_SPARSE call (FA3 with ``q_v``, pages of one token, the top-k rows as block table;
+    vLLM 0.25 ``flashattn_mla_sparse.py``): (out (T, H, L), lse (T, H)). Valid rows must come first in each
+    top-k row (``seqused_k`` = their count)."""
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+    T, H, L = q_nope.shape
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(T + 1, dtype=torch.int32, device=q_nope.device)
+    if valid_counts is None:
+        valid_counts = (topk_rows >= 0).sum(1).to(torch.int32)
+    out, lse = flash_attn_varlen_func(
+        q=q_pe, k=rows[:, L:].unsqueeze(1).unsqueeze(1), v=rows[:, :L].unsqueeze(1).unsqueeze(1), q_v=q_nope,
+        max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q, max_seqlen_k=topk_rows.shape[1], seqused_k=valid_counts,
+        block_table=topk_rows, softmax_scale=scale, causal=True, fa_version=3, return_softmax_lse=True)
+    return out, (lse.transpose(0, 1) if lse.shape == (H, T) else lse)

@@ -424,7 +424,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         return out, lse
     block_h = min(BLOCK_H, triton.next_power_of_2(H))
     if block_t is None:
-        block_t = max(1, (16 if _interpreting() else 64) // block_h)
+        block_t = max(1, (16 if _interpreting() else 32) // block_h)
     grid = (B, triton.cdiv(max_query_len, block_t), triton.cdiv(H, block_h))
     _mla_prefill_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, query_start_loc, seq_lens, out, lse,
