@@ -31,8 +31,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
     def test_import_is_light():
         """Importing glm5serve.mla (and the kernels' reference) imports neither vLLM nor, for the package, Triton."""
-        code = ("import sys, glm5serve, glm5serve.mla; assert 'triton' not in sys.modules and 'vllm' not in sys.modules;"
-                "from glm5serve.mla import triton_mla; assert 'vllm' not in sys.modules")
+        code = ("import sys, glm5serve, glm5serve.mla\n"
+                "assert 'triton' not in sys.modules and 'vllm' not in sys.modules\n"
+                "from glm5serve.mla import triton_mla\nassert 'vllm' not in sys.modules")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
 
@@ -40,8 +41,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
         def test_backend_under_vllm_025():
             root = Path(__file__).resolve().parents[2]
-            env = {**os.environ, "TRITON_INTERPRET": "1",
-                   "PYTHONPATH": os.pathsep.join([os.environ["GLM5SERVE_VLLM025_PATH"], os.environ.get("PYTHONPATH", "")])}
+            path = os.pathsep.join([os.environ["GLM5SERVE_VLLM025_PATH"], os.environ.get("PYTHONPATH", "")])
+            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
             r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x", "-k",
                                 "backend or scratch", "-p", "no:cacheprovider"], cwd=root, env=env,
                                capture_output=True, text=True, timeout=900)
