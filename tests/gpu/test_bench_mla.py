@@ -218,13 +218,16 @@ def test_sweep_split_and_tiles(sweep_table, heads, batch):
     ref = mla_decode(b.q_nope[sl[0]], b.q_pe[sl[0]], b.kv_cache, SCALE, block_table=b.block_table,
                      req_ids=b.req_ids[sl[0]], topk_indices=b.topk[sl[0]], num_splits=1)[0]
     timings = {}
+    tiles = [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2)]
+    if heads >= 64:
+        tiles += [(32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1)]
     for splits in (1, 2, 4, 8, 16, 32, 64, 128):
-        for block_n, warps, stages in ((16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (32, 8, 2)):
-            def call(s, splits=splits, block_n=block_n, warps=warps, stages=stages):
+        for block_h, block_n, warps, stages in tiles:
+            def call(s, splits=splits, block_h=block_h, block_n=block_n, warps=warps, stages=stages):
                 return mla_decode(b.q_nope[s], b.q_pe[s], b.kv_cache, SCALE, block_table=b.block_table,
                                   req_ids=b.req_ids[s], topk_indices=b.topk[s], num_splits=splits, block_n=block_n,
-                                  num_warps=warps, num_stages=stages, workspace=scratch)
-            key = f"splits={splits},block_n={block_n},warps={warps},stages={stages}"
+                                  block_h=block_h, num_warps=warps, num_stages=stages, workspace=scratch)
+            key = f"splits={splits},block_h={block_h},block_n={block_n},warps={warps},stages={stages}"
             got, err = _try(lambda: call(sl[0])[0])
             if err is not None:
                 timings[key] = err

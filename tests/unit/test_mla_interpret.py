@@ -170,11 +170,12 @@ else:
         _assert_matches(out, lse, ref_out, ref_lse, b.num_real, torch.bfloat16)
 
     def test_split_merge_equals_single_pass():
-        """Split-K with more splits than key tiles (empty splits) merges to the one-split result."""
+        """Split-K with more splits than key tiles (empty splits), and other tile shapes, give the one-split result."""
         b = make_batch([40, 3], [1, 1], 5, 32, 16, 8, torch.float16, seed=11)
         one = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, num_splits=1, **b.decode_kwargs())
-        for splits in (2, 7, 16):
-            many = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, num_splits=splits, **b.decode_kwargs())
+        for splits, block_h, block_n in ((2, 16, 32), (7, 16, 16), (16, 16, 32), (3, 32, 16)):
+            many = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, num_splits=splits, block_h=block_h,
+                              block_n=block_n, **b.decode_kwargs())
             torch.testing.assert_close(many[0].float(), one[0].float(), atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(many[1], one[1], atol=1e-5, rtol=1e-5)
 

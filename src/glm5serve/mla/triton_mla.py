@@ -41,6 +41,8 @@ import triton.language as tl
 
 #: rows of one head tile: the smallest M of a tensor-core ``tl.dot``
 BLOCK_H = 16
+#: latent columns per merge program (spreads the split-K partials of a token over many SMs)
+_MERGE_COLUMNS = 32
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -149,32 +151,38 @@ def _mla_merge_kernel(
     stride_p_t, stride_p_h, stride_p_s, stride_pl_t, stride_pl_h, stride_pl_s,
     stride_o_t, stride_o_h, stride_l_t, stride_l_h,
     num_heads,
-    L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    L: tl.constexpr, BLOCK_LM: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w)."""
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """out = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w).
+
+    One program per (token, head tile, ``BLOCK_LM`` latent columns): at batch 1 the partials of one token are
+    spread over many SMs instead of being read by one."""
+    num_hb = tl.cdiv(num_heads, BLOCK_H)
+    t = (tl.program_id(0) // num_hb).to(tl.int64)
+    heads = (tl.program_id(0) % num_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
+    chunk = tl.program_id(1)
     mask_h = heads < num_heads
     offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, BLOCK_L)
+    offs_l = chunk * BLOCK_LM + tl.arange(0, BLOCK_LM)
+    mask_l = offs_l < L
     lse_s = tl.load(PLSE + t * stride_pl_t + heads[:, None] * stride_pl_h + offs_s[None, :] * stride_pl_s,
                     mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS), other=float("-inf"))
     m = tl.max(lse_s, 1)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_use[:, None])  # 0 for empty splits
     w_sum = tl.sum(w, 1)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_LM], tl.float32)
     for s in range(NUM_SPLITS):
         w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
         part = tl.load(PART + t * stride_p_t + s * stride_p_s + heads[:, None] * stride_p_h + offs_l[None, :],
-                       mask=mask_h[:, None] & (offs_l[None, :] < L) & (w_s[:, None] > 0.0), other=0.0)
+                       mask=mask_h[:, None] & mask_l[None, :] & (w_s[:, None] > 0.0), other=0.0)
         acc += w_s[:, None] * part
     safe = tl.where(w_sum > 0.0, w_sum, 1.0)
     tl.store(OUT + t * stride_o_t + heads[:, None] * stride_o_h + offs_l[None, :],
-             (acc / safe[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_l[None, :] < L))
+             (acc / safe[:, None]).to(OUT.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
     tl.store(LSE + t * stride_l_t + heads * stride_l_h,
-             tl.where(w_sum > 0.0, m_use + tl.log(safe), float("-inf")), mask=mask_h)
+             tl.where(w_sum > 0.0, m_use + tl.log(safe), float("-inf")), mask=mask_h & (chunk == 0))
 
 
 @triton.jit
@@ -264,13 +272,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(num_tokens: int, num_heads: int, num_keys: int, device: torch.device,
-                       block_n: int = 32) -> int:
+                       block_n: int = 32, block_h: int = BLOCK_H) -> int:
     """Key-list splits per (token, head tile) so that about two programs per SM stream the cache.
 
     Depends only on launch-time constants (tokens, heads, the top-k width or a bound on the context), so a CUDA
     graph captured for a batch shape stays valid. Each split gets at least two ``block_n`` tiles.
     """
-    programs = max(1, num_tokens * triton.cdiv(num_heads, BLOCK_H))
+    programs = max(1, num_tokens * triton.cdiv(num_heads, block_h))
     by_occupancy = max(1, 2 * _sm_count(device) // programs)
     by_work = max(1, triton.cdiv(max(num_keys, 1), 2 * block_n))
     return int(min(by_occupancy, by_work, 64))
@@ -304,8 +312,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                block_table: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None,
                req_ids: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None,
                num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               workspace: torch.Tensor | None = None, block_n: int = 32, num_warps: int = 4,
-               num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+               workspace: torch.Tensor | None = None, block_n: int = 32, block_h: int = BLOCK_H,
+               num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of single query tokens over the paged latent cache (decode, or any sparse token).
 
     Args:
@@ -323,6 +331,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
             too, so stale lists in CUDA-graph padding rows cannot read outside the cache.
         num_splits: split-K factor; default :func:`default_num_splits`. ``out``/``lse``/``workspace``:
             preallocated outputs and fp32 scratch of :func:`split_workspace_numel` elements (CUDA graphs).
+        block_n, block_h, num_warps, num_stages: keys and heads per tile (powers of two >= 16) and launch options.
 
     Returns:
         out (T, H, L) in the query dtype and lse (T, H) fp32 (natural log; ``-inf`` and 0 for no key).
@@ -341,7 +350,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"topk_indices {tuple(topk_indices.shape)} must be (>= {T}, topk), last dim contiguous")
     num_topk = topk_indices.shape[1] if sparse else 0
     if num_splits is None:
-        num_splits = default_num_splits(T, H, num_topk if sparse else 8192, q_nope.device, block_n)
+        num_splits = default_num_splits(T, H, num_topk if sparse else 8192, q_nope.device, block_n, block_h)
     out = torch.empty((T, H, L), dtype=q_nope.dtype, device=q_nope.device) if out is None else out
     lse = torch.empty((T, H), dtype=torch.float32, device=q_nope.device) if lse is None else lse
     if T == 0:
@@ -364,7 +373,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     # Absent int32 operands are never read (constexpr flags); any int32 tensor at hand stands in for them.
     dummy = block_table if block_table is not None else topk_indices
     bt = dummy
-    grid = (T * triton.cdiv(H, BLOCK_H), num_splits)
+    grid = (T * triton.cdiv(H, block_h), num_splits)
     _mla_decode_kernel[grid](
         q_nope, q_pe, kv_cache, bt, req_ids if req_ids is not None else dummy,
         kv_lens if kv_lens is not None else dummy, topk_indices if sparse else dummy, dst, dst_lse,
@@ -374,17 +383,18 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         o_t, o_h, o_s, l_t, l_h, l_s,
         scale * _LOG2E, H, num_topk, block_table.shape[1] * kv_cache.shape[1] if block_table is not None else 0,
         L=L, R=R, BLOCK_L=_pow2(L), BLOCK_R=_pow2(R),
-        BLOCK_H=BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1],
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1],
         SPARSE=sparse, PHYSICAL=physical, HAS_REQ=req_ids is not None, HAS_KVLEN=kv_lens is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _mla_merge_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        block_lm = min(_MERGE_COLUMNS, _pow2(L))
+        _mla_merge_kernel[(T * triton.cdiv(H, BLOCK_H), triton.cdiv(L, block_lm))](
             part, part_lse, out, lse,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            H, L=L, BLOCK_L=_pow2(L), BLOCK_H=BLOCK_H, NUM_SPLITS=num_splits,
-            BLOCK_S=max(triton.next_power_of_2(num_splits), 2), num_warps=4,
+            H, L=L, BLOCK_LM=block_lm, BLOCK_H=BLOCK_H, NUM_SPLITS=num_splits,
+            BLOCK_S=max(triton.next_power_of_2(num_splits), 2), num_warps=2,
         )
     return out, lse
 
