@@ -124,17 +124,17 @@ def _mla_decode_kernel(
         else:
             pos = offs_n
         rows = _key_rows(pos, valid, req, BT, stride_bt, stride_kv_blk, stride_kv_tok, PAGE, PHYSICAL)
-        # (BLOCK_L, BLOCK_N): keys as columns, so the same registers serve as V^T below
-        kn = tl.load(KV + rows[None, :] + offs_l[:, None], mask=valid[None, :] & mask_l[:, None], other=0.0)
-        kp = tl.load(KV + rows[None, :] + L + offs_r[:, None], mask=valid[None, :] & mask_r[:, None], other=0.0)
-        s = tl.dot(qn, kn) + tl.dot(qp, kp)
+        # (BLOCK_N, BLOCK_L) tiles of whole cache rows (16-byte async copies); the latent tile is K and V
+        kv = tl.load(KV + rows[:, None] + offs_l[None, :], mask=valid[:, None] & mask_l[None, :], other=0.0)
+        kp = tl.load(KV + rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kn.dtype), tl.trans(kn))
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m_i = m_new
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -230,9 +230,9 @@ def _mla_prefill_kernel(
         pos = start_n + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         rows = _key_rows(pos, valid, r, BT, stride_bt, stride_kv_blk, stride_kv_tok, PAGE, False)
-        kn = tl.load(KV + rows[None, :] + offs_l[:, None], mask=valid[None, :] & mask_l[:, None], other=0.0)
-        kp = tl.load(KV + rows[None, :] + L + offs_r[:, None], mask=valid[None, :] & mask_r[:, None], other=0.0)
-        s = tl.dot(qn, kn) + tl.dot(qp, kp)
+        kv = tl.load(KV + rows[:, None] + offs_l[None, :], mask=valid[:, None] & mask_l[None, :], other=0.0)
+        kp = tl.load(KV + rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
         visible = (pos[None, :] < limit[:, None]) & mask_m[:, None]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -240,7 +240,7 @@ def _mla_prefill_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kn.dtype), tl.trans(kn))
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m_i = m_new
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -269,6 +269,12 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefill_rows(major: int) -> int:
+    """Rows (query tokens x heads) of a prefill tile: 64 on Hopper/Blackwell datacenter parts (warpgroup MMA tiles),
+    32 elsewhere (mma.sync: 64 rows would spill registers)."""
+    return 64 if major in (9, 10) else 32
 
 
 def default_num_splits(num_tokens: int, num_heads: int, num_keys: int, device: torch.device,
@@ -403,7 +409,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
                 block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 max_query_len: int, topk_indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 lse: torch.Tensor | None = None, block_t: int | None = None, block_n: int = 32,
-                num_warps: int = 8, num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int = 8, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal MLA prefill/extend of a varlen batch whose new tokens' latents are already in the cache.
 
     Args:
@@ -434,7 +440,8 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         return out, lse
     block_h = min(BLOCK_H, triton.next_power_of_2(H))
     if block_t is None:
-        block_t = max(1, (16 if _interpreting() else 32) // block_h)
+        major = torch.cuda.get_device_capability(q_nope.device)[0] if q_nope.is_cuda else 0
+        block_t = max(1, (16 if _interpreting() else prefill_rows(major)) // block_h)
     grid = (B, triton.cdiv(max_query_len, block_t), triton.cdiv(H, block_h))
     _mla_prefill_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, query_start_loc, seq_lens, out, lse,
