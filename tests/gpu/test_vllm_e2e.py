@@ -22,11 +22,16 @@ from glm5serve.testing.logprobs import bit_identical, tolerance_rule, top_k_rule
 pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 32
-#: chosen-token logprob tolerance for torch.compile and TP=2 against eager TP=1 (bf16 rounding order changes;
-#: gpu-host.md saw up to 0.016 from compilation on this shape)
-TOL = 0.05
-#: a router top-k margin below this (sigmoid-score units) is a near-tie that bf16 router logits can flip
-ROUTER_TAU = 0.01
+#: chosen-token logprob tolerance between two bf16 vLLM engines that round differently (torch.compile, TP=2),
+#: while the expert choice is unambiguous: logits of this checkpoint reach |40|, where bf16's spacing is 0.25
+TOL_TIGHT = 0.25
+#: the stated tolerance over whole generations: router near-ties (a few % of token-layers) let one engine pick
+#: another of the top-4 experts; measured on the H200 (vLLM 0.25, narrow ud-q4_k_xl): up to 0.68 nat with
+#: torch.compile, 0.48 at TP=2, token flips where the baseline's top-1 margin was up to 1.5
+TOL = 1.0
+#: a router top-k margin below this (sigmoid-score units) is a near-tie that bf16 router logits can flip; every
+#: divergence measured on the H200 (vLLM 0.25, narrow ud-q4_k_xl) sat at a margin <= 0.0048
+ROUTER_TAU = 0.005
 SHORT = [5, 17, 40, 130, 300, 700, 1500, 2000]   # <= index_topk (2048): DSA selects every key
 LONG = [2100, 2600]                                 # > index_topk: the indexer's top-k matters
 
@@ -105,6 +110,7 @@ def vllm_run(narrow: Path, prompts, results_dir: Path, mode: str, tp: int = 1, t
     rec = json.loads(out.read_text())
     rec["backends"] = sorted(set(re.findall(r"Using (\w+) (?:attention )?backend", text)))
     rec["groups"] = {g: rec["batches"][a:b] for g, (a, b) in index.items()}
+    rec["prompt_groups"] = groups
     _RUNS[name] = rec
     return rec
 
@@ -178,7 +184,7 @@ def test_eager_matches_reference(narrow, prompts, results_dir, reference, ref_mo
         if a.first_diff is not None:
             m = router_margins(ref_model, p + v["tokens"][:a.first_diff])
             row["router_margin_at_diff"] = round(float(m[-1]), 5)
-            row["router_near_tie"] = bool(m[-1] < ROUTER_TAU)
+            row["router_near_tie"] = bool(m[-1] < ROUTER_TAU)  # at the step itself
         rows.append(row)
         if not a.ok and not row.get("router_near_tie"):
             failures.append(f"prompt of {r['prompt_len']} tokens: {a.why}")
@@ -208,38 +214,51 @@ def test_graphs_bit_identical_to_eager(narrow, prompts, results_dir):
     assert not failures, failures
 
 
-def test_default_compile_close_to_eager(narrow, prompts, results_dir):
-    """vLLM's default mode (torch.compile + CUDA graphs): chosen-token logprobs within TOL of eager, and the same
-    greedy tokens wherever eager's top-1 margin exceeds 2·TOL."""
+def test_default_compile_close_to_eager(narrow, prompts, results_dir, ref_model):
+    """vLLM's default mode (torch.compile + CUDA graphs) against eager: see :func:`_close`."""
     eager = vllm_run(narrow, prompts, results_dir, "eager")
     comp = vllm_run(narrow, prompts, results_dir, "default")
-    _close(eager, comp, results_dir, "default-vs-eager")
+    _close(eager, comp, results_dir, "default-vs-eager", ref_model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp2_close_to_tp1(narrow, prompts, results_dir):
-    """TP=2 against TP=1 (eager): the all-reduce changes summation order, so the tolerance rule applies."""
+def test_tp2_close_to_tp1(narrow, prompts, results_dir, ref_model):
+    """TP=2 against TP=1 (eager): the all-reduce changes summation order; see :func:`_close`."""
     tp1 = vllm_run(narrow, prompts, results_dir, "eager")
     tp2 = vllm_run(narrow, prompts, results_dir, "eager", tp=2)
-    _close(tp1, tp2, results_dir, "tp2-vs-tp1")
+    _close(tp1, tp2, results_dir, "tp2-vs-tp1", ref_model)
 
 
-def _close(base: dict, other: dict, results_dir: Path, name: str) -> None:
-    failures, gaps, same = [], [], 0
-    total = 0
+def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> None:
+    """Two bf16 engines that round differently, compared in two tiers:
+
+    * up to the first generated position whose expert choice is a router near-tie (reference margin < ROUTER_TAU,
+      teacher-forced on the baseline's tokens): chosen-token logprobs within TOL_TIGHT, and the same greedy tokens
+      wherever the baseline's top-1 margin exceeds 2·TOL_TIGHT;
+    * over the whole generation: the same rule with the stated tolerance TOL (a flipped expert moves logits).
+    """
+    failures, rows = [], []
     for g in ("single", "batch3", "batch16"):
-        for bb, bo in zip(base["groups"][g], other["groups"][g], strict=True):
-            for b, o in zip(bb, bo, strict=True):
+        for bb, bo, pp in zip(base["groups"][g], other["groups"][g], base["prompt_groups"][g], strict=True):
+            for b, o, p in zip(bb, bo, pp, strict=True):
                 if b["prompt_len"] > 2048:
                     continue
-                a = tolerance_rule(o["tokens"], o["logprobs"], b["tokens"], b["logprobs"], TOL)
-                total += 1
-                same += a.first_diff is None
-                gaps.append(a.max_gap)
-                if not a.ok:
-                    failures.append(f"{g} prompt {b['prompt_len']}: {a.why}")
-    _summary(results_dir, name, {"backends": other["backends"], "tol": TOL, "max_gap": max(gaps),
-                                 "identical_tokens": same, "prompts": total})
+                m = router_margins(ref_model, p + b["tokens"][:-1])[len(p) - 1:]
+                tie = [i for i, x in enumerate(m.tolist()) if x < ROUTER_TAU]
+                cut = tie[0] if tie else len(b["tokens"])
+                tight = tolerance_rule(o["tokens"][:cut], o["logprobs"][:cut], b["tokens"][:cut], b["logprobs"][:cut],
+                                       TOL_TIGHT)
+                loose = tolerance_rule(o["tokens"], o["logprobs"], b["tokens"], b["logprobs"], TOL)
+                rows.append({"group": g, "prompt_len": b["prompt_len"], "first_near_tie": cut,
+                             "tight_gap": round(tight.max_gap, 4), "gap": round(loose.max_gap, 4),
+                             "first_diff": loose.first_diff, "identical": o["tokens"] == b["tokens"]})
+                for a, tier in ((tight, "before the first router near-tie"), (loose, "whole generation")):
+                    if not a.ok:
+                        failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why}")
+    _summary(results_dir, name, {"backends": other["backends"], "tol_tight": TOL_TIGHT, "tol": TOL,
+                                 "router_tau": ROUTER_TAU, "max_tight_gap": max(r["tight_gap"] for r in rows),
+                                 "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
+                                 "prompts": len(rows), "rows": rows})
     assert not failures, failures
 
 
