@@ -33,6 +33,7 @@ reach a real row. A token with no visible key gets ``out = 0`` and ``lse = -inf`
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -265,6 +266,7 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
