@@ -30,25 +30,17 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 else:
     import numpy as np
     import torch
-    import triton.language as tl
     from gguf import GGMLQuantizationType as Q
     from hypothesis import given, settings
     from hypothesis import strategies as st
-    from triton.runtime import interpreter as _interp
 
     from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config, supports, supports_moe
     from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _counters
     from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
 
-    _create_dot = _interp.InterpreterBuilder.create_dot
+    from glm5serve.testing.triton_interpret import patch_bf16_dot
 
-    def _widen_bf16(h):
-        if not h.dtype.is_bf16():
-            return h
-        return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    _interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _create_dot(
-        self, _widen_bf16(a), _widen_bf16(b), d, *rest)
+    patch_bf16_dot()
 
     TYPES = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
     FP32_EPS = 2.0 ** -20  # fp32 accumulation over <= 1024 terms, with margin

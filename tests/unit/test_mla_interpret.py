@@ -100,26 +100,17 @@ if os.environ.get("TRITON_INTERPRET") != "1":
             assert r.returncode == 0 and "passed" in r.stdout, f"{r.stdout[-12000:]}\n{r.stderr[-3000:]}"
 
 else:
-    import numpy as np
     import torch
-    import triton.language as tl
     from hypothesis import given, settings
     from hypothesis import strategies as st
-    from triton.runtime import interpreter as _interp
 
     from glm5serve.mla.testing import batch_params, make_batch
     from glm5serve.mla.triton_mla import mla_decode, mla_prefill, mla_reference, prefill_kv_lens
     from glm5serve.schema import split_kv_b
 
-    _create_dot = _interp.InterpreterBuilder.create_dot
+    from glm5serve.testing.triton_interpret import patch_bf16_dot
 
-    def _widen_bf16(h):
-        if not h.dtype.is_bf16():
-            return h
-        return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    _interp.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _create_dot(
-        self, _widen_bf16(a), _widen_bf16(b), d, *rest)
+    patch_bf16_dot()
 
     # Output error of one bf16/fp16 rounding of p and of the output, on O(1) values; LSE is fp32 throughout.
     # (vLLM's MLA backend tests allow rtol 1e-2 / atol 5e-1; these are far tighter.)
