@@ -64,6 +64,8 @@ class Preset:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-5
     routed_scaling_factor: float = 2.5
+    #: output RMS of each routed expert per unit input RMS (see ``narrow``)
+    routed_expert_gain: float = 1.0
 
 
 PRESETS: dict[str, Preset] = {
@@ -82,7 +84,12 @@ PRESETS: dict[str, Preset] = {
         qk_nope_head_dim=192, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
         first_k_dense_replace=1, n_moe_layers=2, num_nextn_predict_layers=1, n_routed_experts=16,
         num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=2048,
-        vocab_size=4096, max_position_embeddings=8192, max_tp=8),
+        vocab_size=4096, max_position_embeddings=8192, max_tp=8,
+        # Router near-ties cannot be avoided with continuous scores: a few % of token-layers have a top-k margin
+        # below bf16 router resolution, so bf16 engines (vLLM) pick another expert there, and random experts are
+        # unrelated to each other. A small routed-expert share of the residual stream makes such a flip move the
+        # logits by a fraction of a nat (as in a trained model, whose experts agree far more), not several nats.
+        routed_expert_gain=0.25),
 }
 
 
@@ -175,7 +182,7 @@ def _normal(seed: int, name: str, shape: tuple[int, ...], std: float, mean: floa
     return torch.from_numpy(a * np.float32(std) + np.float32(mean))
 
 
-def _gain(hf_name: str) -> float:
+def _gain(hf_name: str, expert_gain: float = 1.0) -> float:
     """Output RMS per unit input RMS of a projection (weights ~ N(0, gain^2 / fan_in))."""
     if hf_name.endswith("lm_head.weight") or hf_name.endswith("shared_head.head.weight"):
         return 10.0  # logits std ~10: top-1 margins well above rounding noise
@@ -184,11 +191,7 @@ def _gain(hf_name: str) -> float:
     if hf_name.endswith("mlp.gate.weight"):
         return 3.0  # spread router scores: few near-ties between experts
     if hf_name.endswith("mlp.experts.down_proj"):
-        # Router near-ties cannot be avoided with continuous scores (a few % of token-layers have a top-k margin
-        # below bf16 router resolution), and random experts are unrelated to each other: keep each routed expert's
-        # share of the residual stream small, so an expert choice flipped by rounding moves the logits by a
-        # fraction of a nat (as in a trained model, whose experts agree far more) instead of several nats.
-        return 0.25
+        return expert_gain  # Preset.routed_expert_gain
     return 1.0
 
 
@@ -209,10 +212,10 @@ class HFWeights(Mapping[str, torch.Tensor]):
     ``shared_head.head``) only with ``mtp_shared_tensors``.
     """
 
-    def __init__(self, cfg, seed: int = 0, mtp_shared_tensors: bool = False):
+    def __init__(self, cfg, seed: int = 0, mtp_shared_tensors: bool = False, expert_gain: float = 1.0):
         nh, nope, vd, kvl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         E, mI, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.seed, self.shapes, self._last = seed, {}, (None, None)
+        self.seed, self.expert_gain, self.shapes, self._last = seed, expert_gain, {}, (None, None)
         for s in schema.expected_tensors(cfg):
             if s.hf_name in self.shapes or not _wanted(s, mtp_shared_tensors):
                 continue
@@ -233,7 +236,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
         elif "embed_tokens" in n:
             w = _normal(self.seed, n, shape, 1.0)
         else:
-            w = _normal(self.seed, n, shape, _gain(n) / math.sqrt(shape[-1]))
+            w = _normal(self.seed, n, shape, _gain(n, self.expert_gain) / math.sqrt(shape[-1]))
         self._last = (n, w)
         return w
 
@@ -244,9 +247,10 @@ class HFWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
-def hf_state_dict(cfg, seed: int = 0, mtp_shared_tensors: bool = False) -> dict[str, torch.Tensor]:
+def hf_state_dict(cfg, seed: int = 0, mtp_shared_tensors: bool = False, expert_gain: float = 1.0
+                  ) -> dict[str, torch.Tensor]:
     """All of :class:`HFWeights` as a dict (e.g. for ``GlmMoeDsaForCausalLM.load_state_dict``)."""
-    return dict(HFWeights(cfg, seed, mtp_shared_tensors))
+    return dict(HFWeights(cfg, seed, mtp_shared_tensors, expert_gain))
 
 
 def gguf_tensors(cfg, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[schema.TensorSpec, np.ndarray]]:
@@ -395,7 +399,7 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
         return _llama_quantized(Path(out_dir), preset, split, seed, indexer_types, mtp_shared_tensors, progress)
     p = PRESETS[preset]
     cfg = preset_config(p, indexer_types)
-    state = HFWeights(cfg, seed, mtp_shared_tensors)
+    state = HFWeights(cfg, seed, mtp_shared_tensors, p.routed_expert_gain)
     n_tensors = sum(1 for s in schema.expected_tensors(cfg) if _wanted(s, mtp_shared_tensors))
     per_file = math.ceil(n_tensors / split) if split > 1 else 0
     if split < 1 or (split > 1 and math.ceil(n_tensors / per_file) != split):

@@ -69,11 +69,14 @@ def run(args: argparse.Namespace) -> int:
         ids.append(t)
         if args.logprobs:
             steps.append((t, logprobs))
-        text = tok.decode(ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+        # hold back a trailing replacement character: the next token may complete its multi-byte sequence
+        text = tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+        if len(text) > len(shown) and text.startswith(shown):
             out.write(text[len(shown):])
             out.flush()
             shown = text
+    text = tok.decode(ids, skip_special_tokens=True)  # what is held back at the end is final
+    out.write(text[len(shown):] if text.startswith(shown) else "")
     out.write("\n")
     for n, (t, logprobs) in enumerate(steps):  # tokens as vocabulary strings: byte tokens stay readable
         top = torch.topk(logprobs, args.logprobs)
