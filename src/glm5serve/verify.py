@@ -280,6 +280,8 @@ def add_parser(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="GGUF file or shard 1 of a split set (default: the embedded checkpoint)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check compatibility for (default 1)")
+    p.add_argument("--engine", choices=("vllm",), help="then run the model: vLLM eager vs the reference engine, "
+                   "CUDA graphs vs eager (needs a GPU and the vllm extra)")
     p.set_defaults(func=run)
 
 
@@ -292,6 +294,10 @@ def run(args: argparse.Namespace) -> int:
 
         args.model = str(default_checkpoint())
     results = verify(args.model, args.tp)
+    if getattr(args, "engine", None) == "vllm" and all(c.ok for c in results):
+        from glm5serve.engine_check import engine_checks
+
+        results += engine_checks(args.model, args.tp)
     for c in results:
         print(c.line())
     failed = [c for c in results if not c.ok]
@@ -301,4 +307,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace(model=sys.argv[1], tp=1)))
+    sys.exit(run(argparse.Namespace(model=sys.argv[1], tp=1, engine=None)))

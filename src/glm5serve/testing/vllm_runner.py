@@ -68,6 +68,33 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
             "init_s": round(t_init, 1), "generate_s": round(t_gen, 2), "batches": out_batches, "scores": scores}
 
 
+def run_in_subprocess(model: str, batches: list[list[list[int]]], workdir: str, *, mode: str = "eager", tp: int = 1,
+                      max_tokens: int = 32, timeout: float = 1800) -> dict:
+    """:func:`run` in a fresh ``python -m glm5serve.testing.vllm_runner`` process (vLLM keeps GPU memory until its
+    process ends). Files ``{mode}-tp{tp}.{batches.json,json,log}`` go to ``workdir``; the record gets
+    ``backends`` (the attention backends vLLM's log names). Raises RuntimeError with the log's tail on failure."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"{mode}-tp{tp}"
+    bfile, out, log = (d / f"{name}.{ext}" for ext in ("batches.json", "json", "log"))
+    bfile.write_text(json.dumps(batches))
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "glm5serve.testing.vllm_runner", "--model", str(model), "--batches", str(bfile),
+           "--out", str(out), "--mode", mode, "--tp", str(tp), "--max-tokens", str(max_tokens)]
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    text = log.read_text()
+    if r.returncode != 0:
+        raise RuntimeError(f"vLLM ({name}) failed, log {log}: " + " | ".join(text.strip().splitlines()[-5:]))
+    rec = json.loads(out.read_text())
+    rec["backends"] = sorted(set(re.findall(r"Using (\w+) (?:attention )?backend", text)))
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m glm5serve.testing.vllm_runner", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
