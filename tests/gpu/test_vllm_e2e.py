@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -98,17 +95,13 @@ def vllm_run(narrow: Path, prompts, results_dir: Path, mode: str, tp: int = 1, t
     for g, bs in groups.items():
         index[g] = (len(flat), len(flat) + len(bs))
         flat += bs
-    bfile, out, log = (results_dir / f"{name}.{ext}" for ext in ("batches.json", "json", "log"))
-    bfile.write_text(json.dumps(flat))
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "glm5serve.testing.vllm_runner", "--model", str(narrow), "--batches", str(bfile),
-           "--out", str(out), "--mode", mode, "--tp", str(tp), "--max-tokens", str(MAX_TOKENS)]
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
-    text = log.read_text()
-    assert r.returncode == 0, f"vLLM {name} failed (log {log}):\n{text[-4000:]}"
-    rec = json.loads(out.read_text())
-    rec["backends"] = sorted(set(re.findall(r"Using (\w+) (?:attention )?backend", text)))
+    from glm5serve.testing.vllm_runner import run_in_subprocess
+
+    try:
+        rec = run_in_subprocess(str(narrow), flat, str(results_dir / tag.lstrip("-")) if tag else str(results_dir),
+                                mode=mode, tp=tp, max_tokens=MAX_TOKENS, timeout=900)
+    except RuntimeError as e:
+        pytest.fail(f"vLLM {name} failed: {e}")
     rec["groups"] = {g: rec["batches"][a:b] for g, (a, b) in index.items()}
     rec["prompt_groups"] = groups
     _RUNS[name] = rec
