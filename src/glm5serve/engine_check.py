@@ -40,17 +40,21 @@ def reference_generations(path, prompts, device: str) -> list[dict]:
     from glm5serve.reference import ReferenceModel
 
     model = ReferenceModel.from_gguf(path, device=device, qa_kv_norm_eps="rms_norm_eps")
-    out = []
-    for p in prompts:
-        toks, lps = [], []
-        for t, lp in model.stream(p, MAX_TOKENS):
-            top = torch.topk(lp, 5)
-            step = {int(i): float(v) for i, v in zip(top.indices, top.values)}
-            step[t] = float(lp[t])
-            toks.append(t)
-            lps.append(step)
-        out.append({"tokens": toks, "logprobs": lps})
-    return out
+    return [greedy_with_top5(model, p, MAX_TOKENS) for p in prompts]
+
+
+def greedy_with_top5(model, prompt: list[int], max_tokens: int) -> dict:
+    """``{"tokens": [...], "logprobs": [{token_id: logprob}, ...]}``: greedy tokens of a
+    :class:`~glm5serve.reference.ReferenceModel` with each step's top-5 and chosen-token logprobs (nats), in the
+    shape :mod:`glm5serve.testing.vllm_runner` records vLLM's."""
+    toks, lps = [], []
+    for t, lp in model.stream(prompt, max_tokens):
+        top = torch.topk(lp, 5)
+        step = {int(i): float(v) for i, v in zip(top.indices, top.values)}
+        step[t] = float(lp[t])
+        toks.append(t)
+        lps.append(step)
+    return {"tokens": toks, "logprobs": lps}
 
 
 def engine_checks(path: str, tp: int = 1, *, run: Runner | None = None, device: str | None = None) -> list[Check]:

@@ -69,19 +69,11 @@ def test_real_model(model_path, tmp_path):
     prompts = [tok.encode(p) for p, _ in KNOWN]
     ref = None
     if total <= REFERENCE_MAX_BYTES:
+        from glm5serve.engine_check import greedy_with_top5
         from glm5serve.reference import ReferenceModel
 
         m = ReferenceModel.from_gguf(model_path, device="cuda", qa_kv_norm_eps="rms_norm_eps")
-        ref = []
-        for p in prompts:
-            toks, lps = [], []
-            for t, lp in m.stream(p, 8):
-                top = torch.topk(lp, 5)
-                step = {int(i): float(v) for i, v in zip(top.indices, top.values)}
-                step[t] = float(lp[t])
-                toks.append(t)
-                lps.append(step)
-            ref.append({"tokens": toks, "logprobs": lps})
+        ref = [greedy_with_top5(m, p, 8) for p in prompts]
         del m
         torch.cuda.empty_cache()
     conts = ([r["tokens"][:1] for r in ref] if synthetic and ref else [tok.encode(c) for _, c in KNOWN])

@@ -119,16 +119,10 @@ def ref_model(narrow):
 @pytest.fixture(scope="session")
 def reference(ref_model, prompts, results_dir) -> list[dict]:
     """Greedy tokens with top-5 logprobs per step from the reference engine, for the single prompts."""
-    out = []
-    for p in prompts["short"] + prompts["long"]:
-        toks, lps = [], []
-        for tok, logprobs in ref_model.stream(p, MAX_TOKENS):
-            top = torch.topk(logprobs, 5)
-            step = {int(i): float(v) for i, v in zip(top.indices, top.values)}
-            step[tok] = float(logprobs[tok])
-            toks.append(tok)
-            lps.append(step)
-        out.append({"prompt_len": len(p), "tokens": toks, "logprobs": lps})
+    from glm5serve.engine_check import greedy_with_top5
+
+    out = [{"prompt_len": len(p), **greedy_with_top5(ref_model, p, MAX_TOKENS)}
+           for p in prompts["short"] + prompts["long"]]
     (results_dir / "reference.json").write_text(json.dumps(out))
     return out
 
