@@ -3,15 +3,12 @@ MLA kernels (FLASHMLA_SPARSE's ``flash_mla_sparse_fwd``, FLASH_ATTN_MLA_SPARSE's
 top-k handling, poisoned padding rows, and CUDA-graph capture/replay.
 
 Tolerances: the bf16 bar of vLLM's MLA backend tests (rtol 1e-2, atol 5e-1) is checked everywhere, together with a
-bar 15x tighter (atol 3e-2) that one wrong key or head would break. Kernel tests (a few minutes on an H200)::
+bar 15x tighter (atol 3e-2) that one wrong key or head would break. A few minutes on an H200::
 
-    python -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -k "not e2e"
+    python -m pytest tests/gpu/test_mla_gpu.py -m gpu -q
 
-End to end (``slow``; three vLLM engines on the narrow checkpoint, built into the cache if ``GLM5SERVE_NARROW`` is
-unset; logs and JSON in ``$GLM5SERVE_GPU_RESULTS``): ``CUSTOM`` against vLLM's own sparse backend, and CUDA graphs
-against eager::
-
-    GLM5SERVE_GPU_RESULTS=results python -m pytest tests/gpu/test_mla_gpu.py -m gpu -q -k e2e
+End to end (the narrow checkpoint served by vLLM with ``--attention-backend CUSTOM``, eager and CUDA graphs, against
+the reference engine and vLLM's own sparse backend): ``tests/gpu/test_vllm_e2e.py -k custom``.
 """
 from __future__ import annotations
 
@@ -171,98 +168,3 @@ def test_vs_vllm_fa3_sparse(heads):
     ref_out, ref_lse = _vllm_or_skip(lambda: fa3_sparse(b.q_nope, b.q_pe, b.kv_cache, rows, b.scale))
     out, lse = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs(physical=True))
     _check(out, lse, ref_out.float(), ref_lse.float(), b.num_real, torch.bfloat16, "vs FA3 sparse")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# End to end: vLLM serves the narrow GLM-5 checkpoint with ``--attention-backend CUSTOM``
-# ---------------------------------------------------------------------------------------------------------------
-
-#: runs ``glm5serve.testing.vllm_runner`` with one extra mode per attention backend, in one process
-#: (VLLM_ENABLE_V1_MULTIPROCESSING=0), so registering CUSTOM here reaches the model runner even before the
-#: glm5serve vLLM plugin registers it in every process
-_RUNNER = """
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from glm5serve.mla import register_backend
-from glm5serve.testing import vllm_runner
-register_backend()
-mode, backend, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-vllm_runner.MODES[f"{mode}-{backend}"] = dict(vllm_runner.MODES[mode], attention_backend=backend)
-sys.exit(vllm_runner.main(rest + ["--mode", f"{mode}-{backend}"]))
-"""
-E2E_LENS = [5, 40, 300, 2000, 2100, 2600]  # the last two exceed index_topk: the indexer's choice matters
-E2E_TOL = 0.05  # chosen-token logprob gap allowed between attention kernels (bf16 rounding order)
-
-
-@pytest.fixture(scope="module")
-def e2e_runs(tmp_path_factory):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from glm5serve.gguf_file import GGUFModel
-
-    if p := os.environ.get("GLM5SERVE_NARROW"):
-        model = Path(p)
-    else:
-        from glm5serve.cache import cached_checkpoint
-
-        model = cached_checkpoint("narrow", "ud-q4_k_xl", split=2)
-    types = list(GGUFModel(model).metadata["tokenizer.ggml.token_type"])
-    normal = torch.tensor([i for i, t in enumerate(types) if int(t) == 1])
-    g = torch.Generator().manual_seed(7)
-    prompts = [normal[torch.randint(len(normal), (n,), generator=g)].tolist() for n in E2E_LENS]
-    batches = [[p] for p in prompts] + [prompts[:3]]
-    out_dir = Path(os.environ.get("GLM5SERVE_GPU_RESULTS") or tmp_path_factory.mktemp("mla-e2e"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "mla-e2e.batches.json").write_text(json.dumps(batches))
-    runs = {}
-    for mode, backend in (("eager", "auto"), ("eager", "CUSTOM"), ("graphs", "CUSTOM")):
-        name = f"mla-e2e-{mode}-{backend}"
-        log = out_dir / f"{name}.log"
-        cmd = [sys.executable, "-c", _RUNNER, mode, backend, "--model", str(model), "--batches",
-               str(out_dir / "mla-e2e.batches.json"), "--out", str(out_dir / f"{name}.json"), "--max-tokens", "24"]
-        env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        with open(log, "w") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
-        assert r.returncode == 0, f"vLLM {name} failed (log {log}):\n{log.read_text()[-4000:]}"
-        runs[(mode, backend)] = (json.loads((out_dir / f"{name}.json").read_text()), log.read_text())
-    return runs
-
-
-@pytest.mark.slow
-def test_e2e_custom_backend_matches_vllm_backend(e2e_runs):
-    """The narrow checkpoint through vLLM with CUSTOM against vLLM's own sparse MLA backend (both eager): chosen-token
-    logprobs within E2E_TOL and the same greedy tokens wherever the top-1 margin allows (tolerance rule) up to
-    index_topk; the top-5 rule past it (vLLM's indexer keeps FP8 keys)."""
-    from glm5serve.testing.logprobs import tolerance_rule, top_k_rule
-
-    (ours, ours_log), (base, _) = e2e_runs[("eager", "CUSTOM")], e2e_runs[("eager", "auto")]
-    assert "CUSTOM" in ours_log, "vLLM did not report the CUSTOM attention backend"
-    failures = []
-    for bo, bb in zip(ours["batches"], base["batches"], strict=True):
-        for o, b in zip(bo, bb, strict=True):
-            rule = (lambda *a: tolerance_rule(*a, E2E_TOL)) if b["prompt_len"] <= 2048 else top_k_rule
-            a = rule(o["tokens"], o["logprobs"], b["tokens"], b["logprobs"])
-            if not a.ok:
-                failures.append(f"prompt {b['prompt_len']}: {a.why}")
-    assert not failures, failures
-
-
-@pytest.mark.slow
-def test_e2e_custom_backend_graphs_bit_identical_to_eager(e2e_runs):
-    """CUDA graphs (FULL_DECODE_ONLY, no torch.compile) with CUSTOM replay exactly what eager computes, batch 1 and a
-    padded batch of 3, for prompts up to index_topk."""
-    from glm5serve.testing.logprobs import bit_identical
-
-    (graphs, log), (eager, _) = e2e_runs[("graphs", "CUSTOM")], e2e_runs[("eager", "CUSTOM")]
-    assert "CUSTOM" in log
-    failures = []
-    for bg, be in zip(graphs["batches"], eager["batches"], strict=True):
-        for c, e in zip(bg, be, strict=True):
-            if e["prompt_len"] <= 2048 and not (a := bit_identical(c["tokens"], c["logprobs"], e["tokens"],
-                                                                    e["logprobs"])).ok:
-                failures.append(f"prompt {e['prompt_len']}: {a.why}")
-    assert not failures, failures

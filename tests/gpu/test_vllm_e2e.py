@@ -1,14 +1,22 @@
 """GPU end to end: vLLM serves the narrow GLM-5 checkpoint (ud-q4_k_xl, split in 2) through glm5serve, and the
 output is checked against the reference engine and against itself across execution modes.
 
-Each vLLM configuration runs once per session in its own process (``glm5serve.testing.vllm_runner``); results and
-logs go to ``$GLM5SERVE_GPU_RESULTS`` (default: a pytest tmp dir) together with ``summary-*.json`` files holding the
-measured numbers. ``GLM5SERVE_NARROW`` may point at an existing narrow checkpoint (shard 1).
+Each vLLM configuration (:data:`CONFIGS`) runs once per session in its own process
+(``glm5serve.testing.vllm_runner``). The configurations the selected tests need start together before the first
+test, one engine per GPU at a time (TP=2 ones once the TP=1 ones are done), so a two-GPU host runs the file in
+about half the time. Results and logs go to ``$GLM5SERVE_GPU_RESULTS`` (default: a pytest tmp dir) together with
+``summary-*.json`` files holding the measured numbers. ``GLM5SERVE_NARROW`` may point at an existing narrow
+checkpoint (shard 1).
+
+Besides vLLM's own choices (attention backend, glm5serve's GGUF decode kernels as installed by the plugin), two
+configurations swap one part: ``CUSTOM`` (glm5serve's Triton MLA backend, issue "portable Triton MLA") and
+``GLM5SERVE_GGUF_KERNELS=plugin`` (vllm-gguf-plugin's own kernels instead of glm5serve's).
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -81,35 +89,95 @@ def _batches(prompts) -> dict[str, list[list[list[int]]]]:
             "batch16": [prompts["batch16"]]}
 
 
+#: engine configuration name -> (mode, tp, attention backend or None, extra environment)
+CONFIGS: dict[str, tuple[str, int, str | None, dict[str, str]]] = {
+    "eager-tp1": ("eager", 1, None, {}),
+    "eager-tp1-rerun": ("eager", 1, None, {}),
+    "graphs-tp1": ("graphs", 1, None, {}),
+    "default-tp1": ("default", 1, None, {}),
+    "eager-tp2": ("eager", 2, None, {}),
+    "eager-tp1-custom": ("eager", 1, "CUSTOM", {}),
+    "graphs-tp1-custom": ("graphs", 1, "CUSTOM", {}),
+    "eager-tp1-pluginkernels": ("eager", 1, None, {"GLM5SERVE_GGUF_KERNELS": "plugin"}),
+}
+#: configurations an unparametrized test reads (parametrized tests name theirs in their parameters)
+NEEDS = {"test_default_compile_close_to_eager": ["eager-tp1", "default-tp1"],
+         "test_tp2_close_to_tp1": ["eager-tp1", "eager-tp2"],
+         "test_past_index_topk_determinism_and_gap": ["eager-tp1", "eager-tp1-rerun"],
+         "test_custom_mla_close_to_vllm_backend": ["eager-tp1", "eager-tp1-custom"],
+         "test_glm5serve_kernels_close_to_plugin_kernels": ["eager-tp1", "eager-tp1-pluginkernels"]}
 _RUNS: dict[str, dict] = {}
 
 
-def vllm_run(narrow: Path, prompts, results_dir: Path, mode: str, tp: int = 1, tag: str = "") -> dict:
-    """Run (once per session) one engine configuration over every batch group; returns {group: [batches...]}."""
-    name = f"{mode}-tp{tp}{tag}"
-    if name in _RUNS:
-        return _RUNS[name]
-    _need_gpus(tp)
-    groups = _batches(prompts)
+def _run_config(name: str, narrow: Path, groups: dict, results_dir: Path, devices: str | None = None) -> dict:
+    mode, tp, backend, env = CONFIGS[name]
     flat, index = [], {}
     for g, bs in groups.items():
         index[g] = (len(flat), len(flat) + len(bs))
         flat += bs
     from glm5serve.testing.vllm_runner import run_in_subprocess
 
-    try:
-        rec = run_in_subprocess(str(narrow), flat, str(results_dir / tag.lstrip("-")) if tag else str(results_dir),
-                                mode=mode, tp=tp, max_tokens=MAX_TOKENS, timeout=900)
-    except RuntimeError as e:
-        pytest.fail(f"vLLM {name} failed: {e}")
+    env = dict(env, **({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}))
+    rec = run_in_subprocess(str(narrow), flat, str(results_dir), mode=mode, tp=tp, max_tokens=MAX_TOKENS,
+                            timeout=900, name=name, attention_backend=backend, env=env)
     rec["groups"] = {g: rec["batches"][a:b] for g, (a, b) in index.items()}
     rec["prompt_groups"] = groups
-    _RUNS[name] = rec
     return rec
 
 
 @pytest.fixture(scope="session")
-def ref_model(narrow):
+def engines(request, narrow, prompts, results_dir) -> dict[str, dict | Exception]:
+    """Run every configuration the selected tests of this file need, before the first of them: TP=1 ones in
+    parallel, one per visible GPU at a time, then the TP=2 ones on GPUs 0,1. Returns {name: record or error}."""
+    needed: set[str] = set()
+    for item in request.session.items:
+        if item.module.__name__ == __name__:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            needed |= {v for v in params.values() if v in CONFIGS} | set(NEEDS.get(item.originalname, ()))
+    n_gpus = torch.cuda.device_count()
+    needed = {n for n in needed if CONFIGS[n][1] <= n_gpus}
+    groups = _batches(prompts)
+    queue = sorted(n for n in needed if CONFIGS[n][1] == 1)
+    lock = threading.Lock()
+
+    def worker(gpu: int) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                name = queue.pop(0)
+            try:
+                _RUNS[name] = _run_config(name, narrow, groups, results_dir, str(gpu))
+            except Exception as e:  # noqa: BLE001 - reported by the test that reads it
+                _RUNS[name] = e
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in range(max(1, n_gpus))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in sorted(n for n in needed if CONFIGS[n][1] > 1):
+        try:
+            _RUNS[name] = _run_config(name, narrow, groups, results_dir,
+                                      ",".join(str(g) for g in range(CONFIGS[name][1])))
+        except Exception as e:  # noqa: BLE001
+            _RUNS[name] = e
+    return _RUNS
+
+
+def vllm_run(engines: dict, name: str) -> dict:
+    """The record of configuration ``name`` (see :data:`CONFIGS`); fails the test if that engine failed."""
+    _need_gpus(CONFIGS[name][1])
+    rec = engines.get(name)
+    if rec is None:
+        pytest.fail(f"configuration {name} was not run (add it to NEEDS or the test's parameters)")
+    if isinstance(rec, Exception):
+        pytest.fail(f"vLLM {name} failed: {rec}")
+    return rec
+
+
+@pytest.fixture(scope="session")
+def ref_model(narrow, engines):  # after the engines: vLLM sizes its KV cache from the GPU memory it finds free
     """The reference engine in fp32 on the GPU, with q_a/kv_a norms at rms_norm_eps as vLLM computes them."""
     from glm5serve.reference import ReferenceModel
 
@@ -155,13 +223,17 @@ def _summary(results_dir: Path, name: str, data: dict) -> None:
     print(f"\n[{name}] {json.dumps(data, default=str)}")
 
 
-def test_eager_matches_reference(narrow, prompts, results_dir, reference, ref_model):
+@pytest.mark.parametrize("config", ["eager-tp1", "eager-tp1-custom"])
+def test_eager_matches_reference(config, engines, prompts, results_dir, reference, ref_model):
     """Greedy tokens of vLLM eager equal the reference engine's; where they first differ each side's token is in
     the other's top-5 (vLLM's check_logprobs_close rule). A first difference at a step where the reference,
     teacher-forced on vLLM's tokens, has a router near-tie (top-k margin < ROUTER_TAU: bf16 router logits can
     choose another expert) is measured and reported instead: an unrelated random expert moves logits by a nat.
-    Past index_topk the indexer keeps FP8 keys in vLLM; the same rules apply."""
-    run = vllm_run(narrow, prompts, results_dir, "eager")
+    Past index_topk the indexer keeps FP8 keys in vLLM; the same rules apply. ``eager-tp1-custom``: the same
+    with glm5serve's Triton MLA backend (``--attention-backend CUSTOM``)."""
+    run = vllm_run(engines, config)
+    if CONFIGS[config][2]:
+        assert CONFIGS[config][2] in run["backends"], f"vLLM did not use {CONFIGS[config][2]}: {run['backends']}"
     singles = [b[0] for b in run["groups"]["single"]]
     rows, failures = [], []
     for p, v, r in zip(prompts["short"] + prompts["long"], singles, reference, strict=True):
@@ -175,7 +247,7 @@ def test_eager_matches_reference(narrow, prompts, results_dir, reference, ref_mo
         rows.append(row)
         if not a.ok and not row.get("router_near_tie"):
             failures.append(f"prompt of {r['prompt_len']} tokens: {a.why}")
-    _summary(results_dir, "eager-vs-reference", {"backends": run["backends"], "gguf_kernels": run["gguf_kernels"],
+    _summary(results_dir, f"{config}-vs-reference", {"backends": run["backends"], "gguf_kernels": run["gguf_kernels"],
              "vllm": run["vllm"], "exact": sum(x["exact"] for x in rows), "top5_ok": sum(x["top5_ok"] for x in rows),
              "prompts": len(rows), "rows": rows})
     assert not failures, failures
@@ -183,10 +255,13 @@ def test_eager_matches_reference(narrow, prompts, results_dir, reference, ref_mo
     assert sum(x["top5_ok"] for x in short) >= len(short) - 2, f"top-5 rule broken on too many prompts: {rows}"
 
 
-def test_graphs_bit_identical_to_eager(narrow, prompts, results_dir):
-    """CUDA graphs without torch.compile replay exactly what eager computes, at batch 1, 3 (padded) and 16."""
-    eager = vllm_run(narrow, prompts, results_dir, "eager")
-    graphs = vllm_run(narrow, prompts, results_dir, "graphs")
+@pytest.mark.parametrize("eager_config,graphs_config", [("eager-tp1", "graphs-tp1"),
+                                                        ("eager-tp1-custom", "graphs-tp1-custom")])
+def test_graphs_bit_identical_to_eager(eager_config, graphs_config, engines, results_dir):
+    """CUDA graphs without torch.compile replay exactly what eager computes, at batch 1, 3 (padded) and 16; with
+    vLLM's attention backend and with glm5serve's Triton MLA (CUSTOM)."""
+    eager = vllm_run(engines, eager_config)
+    graphs = vllm_run(engines, graphs_config)
     report, failures = {}, []
     for g in ("single", "batch3", "batch16"):
         for bi, (be, bg) in enumerate(zip(eager["groups"][g], graphs["groups"][g], strict=True)):
@@ -197,23 +272,34 @@ def test_graphs_bit_identical_to_eager(narrow, prompts, results_dir):
                 report.setdefault(g, []).append(a.ok)
                 if not a.ok:
                     failures.append(f"{g}[{bi}] prompt {e['prompt_len']}: {a.why}")
-    _summary(results_dir, "graphs-vs-eager", {"backends": graphs["backends"], "identical": report})
+    _summary(results_dir, f"{graphs_config}-vs-eager", {"backends": graphs["backends"], "identical": report})
     assert not failures, failures
 
 
-def test_default_compile_close_to_eager(narrow, prompts, results_dir, ref_model):
+def test_default_compile_close_to_eager(engines, results_dir, ref_model):
     """vLLM's default mode (torch.compile + CUDA graphs) against eager: see :func:`_close`."""
-    eager = vllm_run(narrow, prompts, results_dir, "eager")
-    comp = vllm_run(narrow, prompts, results_dir, "default")
-    _close(eager, comp, results_dir, "default-vs-eager", ref_model)
+    _close(vllm_run(engines, "eager-tp1"), vllm_run(engines, "default-tp1"), results_dir, "default-vs-eager", ref_model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp2_close_to_tp1(narrow, prompts, results_dir, ref_model):
+def test_tp2_close_to_tp1(engines, results_dir, ref_model):
     """TP=2 against TP=1 (eager): the all-reduce changes summation order; see :func:`_close`."""
-    tp1 = vllm_run(narrow, prompts, results_dir, "eager")
-    tp2 = vllm_run(narrow, prompts, results_dir, "eager", tp=2)
-    _close(tp1, tp2, results_dir, "tp2-vs-tp1", ref_model)
+    _close(vllm_run(engines, "eager-tp1"), vllm_run(engines, "eager-tp2"), results_dir, "tp2-vs-tp1", ref_model)
+
+
+def test_custom_mla_close_to_vllm_backend(engines, results_dir, ref_model):
+    """glm5serve's Triton MLA (CUSTOM) against vLLM's own sparse MLA backend, both eager: attention kernels that
+    round differently; see :func:`_close`."""
+    _close(vllm_run(engines, "eager-tp1"), vllm_run(engines, "eager-tp1-custom"), results_dir, "custom-vs-vllm-mla",
+           ref_model)
+
+
+def test_glm5serve_kernels_close_to_plugin_kernels(engines, results_dir, ref_model):
+    """glm5serve's GGUF decode kernels (installed by the plugin) against vllm-gguf-plugin's own (``eager``
+    both): the same weights dequantized in registers with another summation order; see :func:`_close`."""
+    ours, plugin = vllm_run(engines, "eager-tp1"), vllm_run(engines, "eager-tp1-pluginkernels")
+    assert ours["gguf_kernels"].startswith("glm5serve-triton") and not plugin["gguf_kernels"].startswith("glm5serve")
+    _close(plugin, ours, results_dir, "glm5serve-vs-plugin-kernels", ref_model)
 
 
 def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> None:
@@ -242,18 +328,18 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> 
                 for a, tier in ((tight, "before the first router near-tie"), (loose, "whole generation")):
                     if not a.ok:
                         failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why}")
-    _summary(results_dir, name, {"backends": other["backends"], "tol_tight": TOL_TIGHT, "tol": TOL,
+    _summary(results_dir, name, {"backends": other["backends"], "gguf_kernels": other["gguf_kernels"], "tol_tight": TOL_TIGHT, "tol": TOL,
                                  "router_tau": ROUTER_TAU, "max_tight_gap": max(r["tight_gap"] for r in rows),
                                  "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
                                  "prompts": len(rows), "rows": rows})
     assert not failures, failures
 
 
-def test_past_index_topk_determinism_and_gap(narrow, prompts, results_dir, reference):
+def test_past_index_topk_determinism_and_gap(engines, results_dir, reference):
     """Past index_topk: measure eager run-to-run determinism and the gap to the fp32 reference, and hold both to
     the top-5 rule (vLLM's indexer caches keys in FP8, so its top-k boundary can move between runs)."""
-    first = vllm_run(narrow, prompts, results_dir, "eager")
-    second = vllm_run(narrow, prompts, results_dir, "eager", tag="-rerun")
+    first = vllm_run(engines, "eager-tp1")
+    second = vllm_run(engines, "eager-tp1-rerun")
     singles1 = [b[0] for b in first["groups"]["single"]]
     singles2 = [b[0] for b in second["groups"]["single"]]
     rows, failures = [], []

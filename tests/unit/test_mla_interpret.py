@@ -423,6 +423,10 @@ else:
         monkeypatch.setattr("vllm.config.set_current_vllm_config", lambda cfg: __import__("contextlib").nullcontext())
         monkeypatch.setattr(type(current_platform), "get_attn_backend_cls",
                             classmethod(lambda cls, *a, **k: "vllm.FlashMLASparse"))
+        monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
+        c = config(dims=(256, 32))  # not a CUDA platform (this CPU): never chosen, whatever the dims
+        assert not mla.select_backend(c) and c.attention_config.backend is None
+        monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
         c = config()
         assert not mla.select_backend(c) and c.attention_config.backend is None
         c = config(dims=(256, 32))

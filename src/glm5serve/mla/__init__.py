@@ -9,8 +9,8 @@
 """
 from __future__ import annotations
 
-__all__ = ["BACKEND_CLASS", "mla_decode", "mla_prefill", "mla_reference", "register_backend", "select_backend",
-           "vllm_sparse_backend"]
+__all__ = ["BACKEND_CLASS", "hook_backend_selection", "mla_decode", "mla_prefill", "mla_reference",
+           "register_backend", "select_backend", "vllm_sparse_backend"]
 
 BACKEND_CLASS = "glm5serve.mla.backend.TritonMLASparseBackend"
 #: (kv_lora_rank, qk_rope_head_dim) that vLLM's own sparse MLA kernels are written for (FlashMLA, FA3 q_v, TRT-LLM)
@@ -64,7 +64,11 @@ def select_backend(vllm_config) -> bool:
     sparse MLA backend of its own (:func:`vllm_sparse_backend`). Returns True when it did. Call it in the engine
     process once ``vllm_config`` exists and before the model is built (e.g. after ``EngineArgs.create_engine_config``);
     workers receive the choice with the config."""
+    from vllm.platforms import current_platform
+
     mc = vllm_config.model_config
+    if mc is None or not current_platform.is_cuda():
+        return False
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
     attention = vllm_config.attention_config
     if attention.backend is not None or not getattr(mc, "use_mla", False) or not hasattr(text, "index_topk"):
@@ -76,3 +80,27 @@ def select_backend(vllm_config) -> bool:
     register_backend()
     attention.backend = AttentionBackendEnum.CUSTOM
     return True
+
+
+def hook_backend_selection() -> None:
+    """Wrap ``EngineArgs.create_engine_config`` so that every engine built from arguments (``vllm serve``,
+    ``vllm.LLM``) runs :func:`select_backend` on its config (idempotent). The workers' block size follows the
+    chosen backend later (``Platform.update_block_size_for_backend`` runs in the executor)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_glm5serve_hooked", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        config = orig(self, *args, **kwargs)
+        if select_backend(config):
+            import logging
+
+            logging.getLogger("glm5serve").info(
+                "glm5serve: vLLM has no sparse MLA backend for this GPU and these dims; using the Triton backend "
+                "(attention backend CUSTOM)")
+        return config
+
+    create_engine_config._glm5serve_hooked = True
+    EngineArgs.create_engine_config = create_engine_config

@@ -14,13 +14,20 @@ def register() -> None:
 
     Runs ``vllm_gguf_plugin.register()`` first (idempotent too), then layers on top: the plugin fixes, the GLM-DSA
     weights adapter (first in the plugin's adapter registry), the checked ``gguf`` model loader, the ``gguf``
-    config parser and the engine-argument hook that gives a ``glm-dsa`` GGUF its config and tokenizer.
+    config parser and the engine-argument hook that gives a ``glm-dsa`` GGUF its config and tokenizer; then
+    glm5serve's GGUF decode kernels (:func:`glm5serve.kernels.vllm_ops.install`; ``GLM5SERVE_GGUF_KERNELS=plugin``
+    keeps the plugin's own) and the Triton MLA backend as ``CUSTOM`` (``--attention-backend CUSTOM``; chosen
+    automatically where vLLM has no sparse MLA backend for the GPU and dims: :func:`glm5serve.mla.select_backend`).
     """
+    import os
+
     import vllm_gguf_plugin
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader, register_model_loader
     from vllm_gguf_plugin import weights_adapter
 
+    from glm5serve import mla
+    from glm5serve.kernels import vllm_ops
     from glm5serve.vllm_plugin import config_parser, fixes
     from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader
     from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
@@ -32,3 +39,7 @@ def register() -> None:
     if not isinstance(get_model_loader(LoadConfig(load_format="gguf")), GLM5GGUFModelLoader):
         register_model_loader("gguf")(GLM5GGUFModelLoader)
     config_parser.register()
+    if os.environ.get("GLM5SERVE_GGUF_KERNELS", "glm5serve") != "plugin":
+        vllm_ops.install()
+    mla.register_backend()
+    mla.hook_backend_selection()
