@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -91,6 +91,28 @@ PRESETS: dict[str, Preset] = {
         # logits by a fraction of a nat (as in a trained model, whose experts agree far more), not several nats.
         routed_expert_gain=0.25),
 }
+
+#: GLM-5 itself (glm5-gguf.md; vocab 154880 unconfirmed), 78 layers + the MTP block, ~420 GB in ud-q4_k_xl. Never
+#: written with data: :mod:`glm5serve.synthetic` writes it as a header whose tensor data is a hole.
+FULL_PRESETS: dict[str, Preset] = {
+    "glm5": Preset(
+        hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=192, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
+        first_k_dense_replace=3, n_moe_layers=75, num_nextn_predict_layers=1, n_routed_experts=256,
+        num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=12288,
+        vocab_size=154880, max_position_embeddings=202752, max_tp=8),
+}
+
+
+def layer_slice(preset: Preset, n_layers: int) -> Preset:
+    """``preset`` with ``n_layers`` main layers: its ``first_k_dense_replace`` dense layers, the rest MoE, every
+    dimension unchanged, and **no MTP block** (vLLM only loads it as a speculative-decoding draft model, so a slice
+    for speed measurements leaves it out). Raises ValueError unless there is at least one MoE layer."""
+    n_moe = n_layers - preset.first_k_dense_replace
+    if n_moe < 1:
+        raise ValueError(f"a slice needs more than the {preset.first_k_dense_replace} dense layers "
+                         f"(at least {preset.first_k_dense_replace + 1} layers), not {n_layers}")
+    return replace(preset, n_moe_layers=n_moe, num_nextn_predict_layers=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
