@@ -29,7 +29,7 @@ def register() -> None:
     from glm5serve import mla
     from glm5serve.kernels import vllm_ops
     from glm5serve.vllm_plugin import config_parser, fixes
-    from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader
+    from glm5serve.vllm_plugin.loader import GLM5GGUFModelLoader, register_synthetic_loader
     from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
 
     vllm_gguf_plugin.register()
@@ -38,6 +38,7 @@ def register() -> None:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaWeightsAdapter)
     if not isinstance(get_model_loader(LoadConfig(load_format="gguf")), GLM5GGUFModelLoader):
         register_model_loader("gguf")(GLM5GGUFModelLoader)
+    register_synthetic_loader()
     config_parser.register()
     if os.environ.get("GLM5SERVE_GGUF_KERNELS", "glm5serve") != "plugin":
         vllm_ops.install()

@@ -16,6 +16,10 @@ The plugin's default adapter maps names through gguf-py's table for the arch who
   module that was built for GGUF (the plugin's prefix match fails for a layer built without ``prefix``);
 - the MTP block (``blk.{num_hidden_layers}+``) is skipped: vLLM loads it only as a separate draft model.
 
+Tensor bytes come from one byte source, :meth:`GlmDsaWeightsAdapter.read`: the GGUF's file map, or, for the
+``glm5-synthetic`` load format, a :class:`~glm5serve.synthetic.SyntheticSource` (random valid blocks made on the
+device); everything else -- planning, dequantization, storage decisions, the checks -- is the same code.
+
 Every load is checked both ways (:meth:`GlmDsaWeightsAdapter.load_into`): a GGUF tensor that no weight loader
 consumed, or a vLLM parameter that no tensor reached, is a :class:`~glm5serve.errors.GGUFModelError` naming them.
 """
@@ -30,10 +34,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from vllm_gguf_plugin.weights_adapter.base import BaseGGUFWeightsAdapter, GGUFLoadSpec
 
-from glm5serve.dequant import dequantize_tensor
+from glm5serve.dequant import dequantize
 from glm5serve.errors import GGUFModelError
 from glm5serve.gguf_file import GGUFModel, TensorInfo
 from glm5serve.schema import FLOAT_TYPES, expected_tensors, merge_kv_b
+from glm5serve.synthetic import refuse_synthetic
 
 MODEL_TYPE = "glm_moe_dsa"
 #: checkpoint module -> (vLLM module it is stacked into, shard id): the ``stacked_params_mapping`` of
@@ -89,8 +94,9 @@ def _tag(t: torch.Tensor, sources: Iterable[str]) -> torch.Tensor:
 
 def _raw(info: TensorInfo) -> torch.Tensor:
     """The tensor's stored data as torch, a view of the read-only file map (uint8 ``(..., row_bytes)`` for block
-    types, else typed). Not copied: the loaders only narrow, clone or ``copy_`` from it, so each TP rank reads
-    just its own slice of the file instead of copying every tensor whole (as the plugin's iterator does)."""
+    types, else typed: float32/float16/bfloat16 of ``info.shape``). Not copied: the loaders only narrow, clone or
+    ``copy_`` from it, so each TP rank reads just its own slice of the file instead of copying every tensor whole
+    (as the plugin's iterator does)."""
     a = info.data.view(np.int16) if info.qtype == Q.BF16 else info.data
     with warnings.catch_warnings():  # "not writable": nothing writes through this view
         warnings.simplefilter("ignore", UserWarning)
@@ -108,6 +114,9 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
     """
 
     load_spec: GGUFLoadSpec | None = None
+    #: where tensor bytes come from: None for the GGUF's own file map, else an object with the :meth:`read`
+    #: signature (the ``glm5-synthetic`` loader sets a :class:`~glm5serve.synthetic.SyntheticSource`)
+    source = None
 
     @classmethod
     def matches(cls, config) -> bool:
@@ -117,11 +126,14 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
         """Open the GGUF (any shard of a split set), check it against the config and TP size, plan the load.
 
         Raises GGUFModelError for anything :func:`check_file` refuses (what ``glm5serve verify --tp`` refuses,
-        e.g. a TP size that would cut a quant block of a row-parallel weight) and for routed ``gate``/``up``
-        experts of different types (the plugin runs the fused ``w13`` experts with one kernel type).
+        e.g. a TP size that would cut a quant block of a row-parallel weight), for routed ``gate``/``up``
+        experts of different types (the plugin runs the fused ``w13`` experts with one kernel type), and for a
+        synthetic header (no tensor data) read through the file map.
         """
         cfg = model_config.hf_config
         self.gguf = check_file(model_path, cfg, _tp_size() if tp_size is None else tp_size)
+        if self.source is None:
+            refuse_synthetic(self.gguf)
         self.dtype = model_config.dtype
         self.plan = _plan(self.gguf, cfg)
         # what must be consumed, from the file itself (not from the plan, so a planning gap is caught too)
@@ -134,6 +146,22 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
             gguf_to_hf_name_map={s: ld.name for ld in self.plan for s in ld.sources},
         )
         return self.load_spec
+
+    # -- the byte source ---------------------------------------------------------------------------------------
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """One tensor's stored data: uint8 ``(*shape[:-1], row_bytes)`` for block types, float32/float16/bfloat16
+        of ``info.shape`` for F32/F16/BF16. From the file map (a view, not copied: the loaders only narrow, clone
+        or ``copy_`` from it) or from :attr:`source` (a new tensor on its device)."""
+        return _raw(info) if self.source is None else self.source.read(info)
+
+    def dequantized(self, info: TensorInfo, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`read` dequantized by :func:`glm5serve.dequant.dequantize` to ``info.shape`` in ``dtype``.
+        Raises GGUFModelError naming the file, tensor and type for an unsupported type."""
+        try:
+            return dequantize(self.read(info), info.qtype, info.shape, dtype=dtype)
+        except GGUFModelError as e:
+            raise GGUFModelError(e.reason, file=info.file, tensor=info.name) from None
 
     # -- the stream ------------------------------------------------------------------------------------------
 
@@ -177,12 +205,12 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
             infos = [self.gguf[s] for s in ld.sources]
             dense = is_dense(ld)
             if ld.kind == "vector":  # fp32: some of these parameters are fp32 (router, indexer k_norm)
-                yield ld.name, _tag(dequantize_tensor(infos[0]), ld.sources)
+                yield ld.name, _tag(self.dequantized(infos[0]), ld.sources)
             elif ld.kind == "kv_b":  # the transpose of attn_k_b happens after dequantization, in fp32
-                w = merge_kv_b(dequantize_tensor(infos[0]), dequantize_tensor(infos[1]))
+                w = merge_kv_b(self.dequantized(infos[0]), self.dequantized(infos[1]))
                 yield ld.name, _tag(w.to(self.dtype), ld.sources)
             elif ld.kind == "matrix" and dense:  # fp32 rounded once to the model dtype
-                yield ld.name, _tag(dequantize_tensor(infos[0], self.dtype), ld.sources)
+                yield ld.name, _tag(self.dequantized(infos[0], self.dtype), ld.sources)
             else:  # GGUF storage: matrix in a GGUF-built module, or 3-D experts
                 yield from self._gguf_pair(ld, infos[0])
 
@@ -190,9 +218,9 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
         qweight, qweight_type = qweight_names(ld.name)
         if info.qtype in FLOAT_TYPES:
             # the plugin computes float "qweight"s as x @ W.T: they must be in the activation dtype
-            data, qtype = _raw(info).to(self.dtype), _DTYPE_QTYPE[self.dtype]
+            data, qtype = self.read(info).to(self.dtype), _DTYPE_QTYPE[self.dtype]
         else:
-            data, qtype = _raw(info), info.qtype
+            data, qtype = self.read(info), info.qtype
         yield qweight_type, _tag(torch.tensor(int(qtype), dtype=torch.uint8), ld.sources)
         yield qweight, _tag(data, ld.sources)
 
