@@ -15,7 +15,7 @@ import sys
 from glm5serve.errors import GGUFModelError
 
 COMMAND_MODULES = ("glm5serve.checkpoint", "glm5serve.inspect_cmd", "glm5serve.verify",
-                   "glm5serve.generate", "glm5serve.vllm_plugin.serve")
+                   "glm5serve.generate", "glm5serve.vllm_plugin.serve", "glm5serve.synthetic", "glm5serve.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

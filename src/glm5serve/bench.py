@@ -1,0 +1,492 @@
+"""``glm5serve bench MODEL``: decode speed and time to first token of vLLM serving a GLM-5 GGUF.
+
+``MODEL`` is a GGUF or a header from ``glm5serve synthetic-gguf`` (with ``--load-format glm5-synthetic``: random
+valid weights, real shapes and kernels). The workload is the original deployment's: ``--input-len`` 40 random
+prompt tokens, ``--output-len`` 128 generated tokens (``ignore_eos``), at each ``--concurrency`` (one
+``LLM.generate`` batch of that many requests; prefix caching off, so every prompt is prefilled). Per execution
+mode (``eager``; ``graphs``: vLLM's default compilation, or CUDA graphs without torch.compile with
+``--graphs-mode nocompile``; capture sizes are the concurrencies) one engine runs in its own process, since vLLM
+does not free GPU memory when an engine goes away. After a warm-up batch per concurrency:
+
+- ``ttft_s``: wall time of a batch with ``max_tokens=1`` (prefill of all its prompts plus one sampled token), the
+  median of ``--repeats``;
+- ``e2e_s``: wall time of the full batch (median of ``--repeats``); the decode steps take ``e2e_s - ttft_s``, so
+  ``step_ms = (e2e_s - ttft_s) / (output_len - 1)``, ``tok_s_per_request = 1000 / step_ms`` and
+  ``tok_s_total = concurrency * tok_s_per_request`` (:func:`decode_stats`).
+
+``--profile``: vLLM's torch profiler (``profiler_config`` and ``LLM.start_profile``/``stop_profile``, the same in
+vLLM 0.25 and 0.33) over ``--profile-steps`` decode steps of each concurrency (started a few steps after the
+prefill); TP rank 0's CUDA kernel time is grouped by kernel name (:func:`kernel_group`) into attention (MLA,
+indexer, KV-cache writes, rotary), MoE (routed experts and routing), GEMM (every other linear layer: the shared
+expert, dense MLPs, projections, MLA's absorbed ``bmm``), all-reduce and other, as µs per decode step and fractions.
+
+``--projection RESULT.json ...``: a linear projection (:func:`project`), printed and stored as a projection, never as
+a measurement: step time to 78 layers from runs at two or more layer counts, and to TP=8 from TP=1 and TP=2.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from glm5serve.errors import GGUFModelError
+
+DEFAULT_CONCURRENCY = (1, 8, 64, 256)
+MODES = ("eager", "graphs")
+#: worker steps between ``start_profile`` and the first profiled step: the prefill step and two decode steps
+PROFILE_DELAY = 3
+
+# -- arithmetic ------------------------------------------------------------------------------------------------
+
+
+def decode_stats(concurrency: int, output_len: int, ttft_s: float, e2e_s: float) -> dict:
+    """Decode speed of one batch from its two wall times (seconds): ``step_ms`` per decode step (ms),
+    ``tok_s_per_request`` and ``tok_s_total`` (tokens/s). The first token comes with the prefill (``ttft_s``); the
+    other ``output_len - 1`` tokens take one decode step each."""
+    decode_s = e2e_s - ttft_s
+    if output_len < 2 or decode_s <= 0:
+        return {"step_ms": None, "tok_s_per_request": None, "tok_s_total": None}
+    step_s = decode_s / (output_len - 1)
+    return {"step_ms": 1000 * step_s, "tok_s_per_request": 1 / step_s, "tok_s_total": concurrency / step_s}
+
+
+#: kernel-name patterns per group, first match wins (vLLM 0.25/0.33, vllm-gguf-plugin, glm5serve kernels)
+KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple((g, re.compile(p, re.I)) for g, p in (
+    ("allreduce", r"nccl|all_?reduce|all_?gather|reduce_?scatter|cross_device|one_?shot|two_?shot|multimem|"
+                  r"custom_?ar"),
+    ("moe", r"moe|expert|grouped_?topk|topk_?sigmoid|topk_?softmax|noaux|align_block|count_and_sort"),
+    ("attention", r"mla|attn|attention|flash|fmha|sparse|indexer|mqa|top_?k_per_row|cache|rotary|rope"),
+    ("gemm", r"gemm|gemv|matmul|mul_mat|cutlass|xmma|cublas|nvjet|wgmma|splitk|dequant"),
+))
+
+
+def kernel_group(name: str) -> str:
+    """``attention``, ``moe``, ``gemm``, ``allreduce`` or ``other`` for a CUDA kernel name (:data:`KERNEL_GROUPS`)."""
+    return next((g for g, pattern in KERNEL_GROUPS if pattern.search(name)), "other")
+
+
+def kernel_breakdown(events: list[dict], n_steps: int | None = None, top: int = 12) -> dict:
+    """Group a Chrome-trace (torch profiler) event list's GPU time by :func:`kernel_group`.
+
+    The steps are counted from vLLM's per-step ``execute_context_N(..)_generation_M(..)`` annotations (else
+    ``n_steps``); ``decode_only`` says whether every profiled step had no prefill (N = 0). Returns ``steps``,
+    ``gpu_us_per_step``, per group ``us_per_step``, ``calls_per_step`` and ``fraction`` of the GPU time, and the
+    ``top`` kernels by time. Raises ValueError when the trace holds no GPU kernel or no step count is known.
+    """
+    steps = [e["name"] for e in events if e.get("cat") == "user_annotation"
+             and str(e.get("name", "")).startswith("execute_context_")]
+    n = len(steps) or n_steps
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels or not n:
+        raise ValueError(f"profile holds {len(kernels)} GPU kernels over {n} steps")
+    total = sum(float(e.get("dur", 0)) for e in kernels)
+    groups = {g: {"us": 0.0, "calls": 0} for g in ("attention", "moe", "gemm", "allreduce", "other")}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        name, dur = str(e.get("name", "")), float(e.get("dur", 0))
+        g = groups[kernel_group(name) if e["cat"] == "kernel" else "other"]
+        g["us"] += dur
+        g["calls"] += 1
+        by_name[name] = by_name.get(name, 0.0) + dur
+    return {
+        "steps": n, "decode_only": bool(steps) and all(s.startswith("execute_context_0(") for s in steps),
+        "gpu_us_per_step": total / n,
+        "groups": {g: {"us_per_step": v["us"] / n, "calls_per_step": v["calls"] / n,
+                       "fraction": v["us"] / total if total else 0.0} for g, v in groups.items()},
+        "top": [{"name": k[:160], "group": kernel_group(k), "us_per_step": v / n}
+                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]],
+    }
+
+
+def load_trace(path) -> list[dict]:
+    """The events of a torch profiler Chrome trace (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+# -- projection -------------------------------------------------------------------------------------------------
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(slope, intercept)`` of ``y = slope * x + intercept`` through >= 2 points with distinct x."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if len(points) < 2 or sxx == 0:
+        raise ValueError("a line needs two different layer counts")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx
+
+
+def _speed(step_ms: float, c: int) -> dict:
+    return {"step_ms": step_ms, "tok_s_per_request": 1000 / step_ms if step_ms > 0 else None,
+            "tok_s_total": 1000 * c / step_ms if step_ms > 0 else None}
+
+
+def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) -> dict:
+    """A linear projection of the decode step time from bench records (the JSON ``glm5serve bench`` writes).
+
+    Layers: for each TP size, mode and concurrency, a least-squares line through (layers, step_ms) over the records'
+    layer counts (>= 2 needed): the slope is the cost of one more MoE layer, the intercept the per-step cost of
+    embedding, lm_head, sampling and the dense layers' difference; evaluated at ``target_layers``.
+    TP: from the TP=1 and TP=2 projections ``t1``, ``t2`` at ``target_layers`` and the all-reduce time per call
+    ``r`` and calls per step ``n`` measured by a TP=2 profile of that mode and concurrency: the step time is split as
+    ``t = a + w / tp + n r`` (``w``: the part that divides by TP, weight reads above all; ``a``: the part that does
+    not, kernel launch latency and replicated work), so ``w = 2 (t1 - t2 + n r)``, ``a = t1 - w``, and
+    ``t(target_tp) = a + w / target_tp + n r``, assuming an all-reduce over ``target_tp`` GPUs costs what one over
+    2 cost and ``n`` grows by 2 per layer. Returns a dict labelled ``"projection"``; entries that lack data say why.
+    """
+    out = {"label": "projection (not a measurement)", "target_layers": target_layers, "target_tp": target_tp,
+           "layers": {}, "tp": {}}
+    series: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
+    ar: dict[tuple[str, int], tuple[float, float, int]] = {}  # (mode, c) -> (us per call, calls per step, layers)
+    for rec in records:
+        for run in rec["runs"]:
+            for r in run["results"]:
+                if r.get("step_ms"):
+                    series.setdefault((rec["tp"], run["mode"], r["concurrency"]), []).append((rec["layers"],
+                                                                                              r["step_ms"]))
+                g = ((r.get("profile") or {}).get("groups") or {}).get("allreduce")
+                if rec["tp"] == 2 and g and g["calls_per_step"]:
+                    ar[(run["mode"], r["concurrency"])] = (g["us_per_step"] / g["calls_per_step"],
+                                                           g["calls_per_step"], rec["layers"])
+    at_target: dict[tuple[int, str, int], float] = {}
+    for (tp, mode, c), pts in sorted(series.items()):
+        entry = out["layers"].setdefault(f"tp{tp}", {}).setdefault(mode, {})
+        layer_counts = sorted({x for x, _ in pts})
+        if len(layer_counts) < 2:
+            entry[str(c)] = {"points": pts, "missing": "needs runs at two or more layer counts"}
+            continue
+        slope, intercept = fit_line(pts)
+        at_target[(tp, mode, c)] = step = slope * target_layers + intercept
+        entry[str(c)] = {"points": pts, "ms_per_layer": slope, "intercept_ms": intercept, **_speed(step, c)}
+    for (tp, mode, c), t1 in sorted(at_target.items()):
+        if tp != 1:
+            continue
+        entry = out["tp"].setdefault(mode, {})
+        t2 = at_target.get((2, mode, c))
+        if t2 is None or (mode, c) not in ar:
+            entry[str(c)] = {"missing": "needs TP=2 runs at two layer counts and a TP=2 profile (all-reduce cost)"}
+            continue
+        per_call_us, calls, layers = ar[(mode, c)]
+        n = calls + 2 * (target_layers - layers)
+        r_ms = n * per_call_us / 1000
+        w = 2 * (t1 - t2 + r_ms)
+        a = t1 - w
+        entry[str(c)] = {"tp1_ms": t1, "tp2_ms": t2, "allreduce_us_per_call": per_call_us, "allreduce_calls": n,
+                         "a_ms": a, "w_ms": w, **_speed(a + w / target_tp + r_ms, c)}
+        if a < 0 or w < 0:
+            entry[str(c)]["warning"] = "negative part: the TP=1/TP=2 difference is within measurement noise"
+    return out
+
+
+# -- running vLLM -------------------------------------------------------------------------------------------------
+
+def engine_args(model: str, mode: str, concurrency: list[int], *, tp: int = 1, load_format: str = "auto",
+                graphs_mode: str = "default", max_model_len: int = 1024, input_len: int = 40,
+                gpu_memory_utilization: float = 0.85, attention_backend: str | None = None,
+                profile_dir: str | None = None, profile_steps: int = 8) -> dict:
+    """``vllm.LLM`` keyword arguments for one mode: bf16, prefix caching off, ``max_num_seqs`` the largest
+    concurrency and a token budget that prefills the largest batch in one step; ``graphs`` captures exactly the
+    concurrencies (``graphs_mode`` ``default``: vLLM's default compilation; ``nocompile``: ``{"mode": 0,
+    "cudagraph_mode": "FULL_DECODE_ONLY"}``); ``profile_dir`` enables vLLM's torch profiler for
+    ``profile_steps`` steps starting :data:`PROFILE_DELAY` steps after ``start_profile``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    kw: dict = {"model": model, "tensor_parallel_size": tp, "dtype": "bfloat16", "seed": 0,
+                "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+                "max_num_seqs": max(concurrency), "enable_prefix_caching": False,
+                "max_num_batched_tokens": max(max_model_len, 2048, max(concurrency) * input_len)}
+    if load_format != "auto":
+        kw["load_format"] = load_format
+    if attention_backend:
+        kw["attention_backend"] = attention_backend
+    if mode == "eager":
+        kw["enforce_eager"] = True
+    else:
+        cc: dict = {"cudagraph_capture_sizes": sorted(set(concurrency))}
+        if graphs_mode == "nocompile":
+            cc.update({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+        kw.update(enforce_eager=False, compilation_config=cc)
+    if profile_dir:
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(profile_dir),
+                                 "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False,
+                                 "ignore_frontend": True, "delay_iterations": PROFILE_DELAY,
+                                 "max_iterations": profile_steps}
+    return kw
+
+
+def run_engine(spec: dict) -> dict:
+    """One engine (``spec["engine"]``: :func:`engine_args`) through the whole workload; the worker process's job.
+
+    Returns ``init_s``, ``vllm``, ``gpu`` and per concurrency the raw ``ttft_s``/``e2e_s`` (median of
+    ``spec["repeats"]``), ``short`` (requests that returned fewer than ``output_len`` tokens) and ``profile``.
+    """
+    import numpy as np
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**spec["engine"])
+    init_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    input_len, output_len, vocab = spec["input_len"], spec["output_len"], spec["vocab_size"]
+
+    def batch(c: int, max_tokens: int) -> tuple[float, list]:
+        prompts = [{"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()} for _ in range(c)]
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    results = []
+    for c in spec["concurrency"]:
+        batch(c, 8)  # warm-up: Triton JIT, allocator, graphs of this size
+        ttft = statistics.median(batch(c, 1)[0] for _ in range(spec["repeats"]))
+        runs = [batch(c, output_len) for _ in range(spec["repeats"])]
+        short = sum(len(o.outputs[0].token_ids) < output_len for _, outs in runs for o in outs)
+        results.append({"concurrency": c, "ttft_s": ttft, "e2e_s": statistics.median(t for t, _ in runs),
+                        "short": short})
+    trace_dir = (spec["engine"].get("profiler_config") or {}).get("torch_profiler_dir")
+    if trace_dir:
+        for r in results:
+            before = set(Path(trace_dir).glob("*.json*"))
+            llm.start_profile()
+            batch(r["concurrency"], PROFILE_DELAY + spec["profile_steps"] + 4)
+            llm.stop_profile()
+            new = sorted(set(Path(trace_dir).glob("*.json*")) - before)
+            rank0 = [p for p in new if "tp0" in p.name] or new
+            try:
+                if not rank0:
+                    raise ValueError(f"no new trace file in {trace_dir}")
+                r["profile"] = {"trace": rank0[0].name, **kernel_breakdown(load_trace(rank0[0]))}
+            except (ValueError, KeyError, OSError) as e:
+                r["profile"] = {"error": str(e)}
+    return {"vllm": vllm.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "init_s": init_s, "results": results}
+
+
+def run_in_subprocess(spec: dict, workdir: Path, name: str, timeout: float) -> dict:
+    """:func:`run_engine` in a fresh ``python -m glm5serve.bench --worker`` process; its log is ``{name}.log`` in
+    ``workdir``. Raises RuntimeError with the log's tail when the worker fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_file, out, log = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
+    spec_file.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "glm5serve.bench", "--worker", str(spec_file), str(out)],
+                            stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+    if rc != 0:
+        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-6:])
+        raise RuntimeError(f"vLLM ({name}) failed with exit status {rc}, log {log}: {tail}")
+    return json.loads(out.read_text())
+
+
+def model_info(model: str) -> dict:
+    """What the record says about the model: layers, vocabulary, TP-relevant dims, synthetic or not."""
+    from glm5serve.config import config_from_metadata
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.synthetic import is_synthetic
+
+    gguf = GGUFModel(model)
+    cfg = config_from_metadata(gguf)
+    return {"layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "n_routed_experts": cfg.n_routed_experts, "synthetic": is_synthetic(gguf),
+            "gguf_gb": sum(t.n_bytes for t in gguf) / 1e9}
+
+
+def bench(model: str, *, modes=MODES, concurrency=DEFAULT_CONCURRENCY, tp: int = 1, load_format: str = "auto",
+          graphs_mode: str = "default", input_len: int = 40, output_len: int = 128, max_model_len: int = 1024,
+          repeats: int = 2, gpu_memory_utilization: float = 0.85, attention_backend: str | None = None,
+          profile: bool = False, profile_steps: int = 8, workdir=None, timeout: float = 1800,
+          runner: Callable[[dict, Path, str, float], dict] = run_in_subprocess, info: dict | None = None) -> dict:
+    """Run the workload for every mode (one engine process each, through ``runner``) and return the record.
+
+    Record: the settings, ``model_info`` (``info`` overrides it), and ``runs``: per mode ``init_s``, ``vllm``, ``gpu``
+    and ``results`` per concurrency (raw times, :func:`decode_stats`, ``profile``). A mode whose engine fails is
+    recorded with its ``error``; the others still run.
+    """
+    import tempfile
+
+    info = info or model_info(model)
+    concurrency = sorted(set(concurrency))
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="glm5serve-bench-"))
+    record = {"model": str(model), "load_format": load_format, "tp": tp, "graphs_mode": graphs_mode,
+              "input_len": input_len, "output_len": output_len, "max_model_len": max_model_len, "repeats": repeats,
+              "attention_backend": attention_backend, "kernels": os.environ.get("GLM5SERVE_GGUF_KERNELS", "glm5serve"),
+              **info, "runs": []}
+    for mode in modes:
+        profile_dir = workdir / f"traces-{mode}" if profile else None
+        spec = {"engine": engine_args(str(model), mode, concurrency, tp=tp, load_format=load_format,
+                                      graphs_mode=graphs_mode, max_model_len=max_model_len, input_len=input_len,
+                                      gpu_memory_utilization=gpu_memory_utilization,
+                                      attention_backend=attention_backend,
+                                      profile_dir=str(profile_dir) if profile_dir else None,
+                                      profile_steps=profile_steps),
+                "concurrency": concurrency, "input_len": input_len, "output_len": output_len,
+                "vocab_size": info["vocab_size"], "repeats": repeats, "profile_steps": profile_steps}
+        try:
+            run = runner(spec, workdir, f"{mode}-tp{tp}", timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            record["runs"].append({"mode": mode, "error": str(e), "results": []})
+            continue
+        for r in run["results"]:
+            r.update(decode_stats(r["concurrency"], output_len, r["ttft_s"], r["e2e_s"]))
+        record["runs"].append({"mode": mode, **run})
+    return record
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_record(rec: dict) -> str:
+    """The measurement table (and profile breakdowns) of a bench record, as text."""
+    lines = [f"{rec['model']} ({rec['layers']} layers{', synthetic weights' if rec.get('synthetic') else ''}), "
+             f"load format {rec['load_format']}, TP={rec['tp']}, input {rec['input_len']} / output "
+             f"{rec['output_len']} tokens"]
+    for run in rec["runs"]:
+        if "error" in run:
+            lines.append(f"  {run['mode']}: FAILED: {run['error']}")
+            continue
+        lines.append(f"  {run['mode']} (vLLM {run.get('vllm')}, {run.get('gpu')}, engine start "
+                     f"{_f(run.get('init_s'), '.0f')} s)")
+        lines.append(f"    {'conc':>5} {'TTFT ms':>9} {'step ms':>8} {'tok/s/req':>10} {'tok/s total':>12}")
+        for r in run["results"]:
+            lines.append(f"    {r['concurrency']:>5} {_f(1000 * r['ttft_s'], '9.1f')} {_f(r['step_ms'], '8.2f')} "
+                         f"{_f(r['tok_s_per_request'], '10.1f')} {_f(r['tok_s_total'], '12.1f')}"
+                         + (f"  ({r['short']} requests short)" if r.get("short") else ""))
+        for r in run["results"]:
+            p = r.get("profile")
+            if not p:
+                continue
+            if "error" in p:
+                lines.append(f"    profile c={r['concurrency']}: {p['error']}")
+                continue
+            parts = ", ".join(f"{g} {v['us_per_step']:.0f} µs ({100 * v['fraction']:.0f}%)"
+                              for g, v in p["groups"].items())
+            lines.append(f"    profile c={r['concurrency']}: GPU {p['gpu_us_per_step']:.0f} µs/step over "
+                         f"{p['steps']} steps{'' if p['decode_only'] else ' (not all decode)'}: {parts}")
+    return "\n".join(lines)
+
+
+def format_projection(proj: dict) -> str:
+    """The projection as text, every line marked as a projection."""
+    lines = [f"PROJECTION (not a measurement) to {proj['target_layers']} layers and TP={proj['target_tp']}:"]
+    for tp, modes in proj["layers"].items():
+        for mode, cs in modes.items():
+            for c, e in cs.items():
+                lines.append(f"  projection {tp} {mode} c={c}: " + (e["missing"] if "missing" in e else
+                             f"{e['ms_per_layer']:.3f} ms/layer + {e['intercept_ms']:.2f} ms -> "
+                             f"{e['step_ms']:.2f} ms/step, {e['tok_s_per_request']:.1f} tok/s/req, "
+                             f"{e['tok_s_total']:.0f} tok/s total"))
+    for mode, cs in proj["tp"].items():
+        for c, e in cs.items():
+            lines.append(f"  projection tp{proj['target_tp']} {mode} c={c}: " + (e["missing"] if "missing" in e else
+                         f"{e['step_ms']:.2f} ms/step, {e['tok_s_per_request']:.1f} tok/s/req, "
+                         f"{e['tok_s_total']:.0f} tok/s total (a {e['a_ms']:.2f} ms + w {e['w_ms']:.2f} ms / "
+                         f"{proj['target_tp']} + {e['allreduce_calls']:.0f} all-reduces x "
+                         f"{e['allreduce_us_per_call']:.1f} µs)" + (f" [{e['warning']}]" if "warning" in e else "")))
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, not {text!r}")
+    return modes
+
+
+def add_parser(subparsers) -> None:
+    """Register ``bench`` with the ``glm5serve`` argparse sub-commands."""
+    p = subparsers.add_parser("bench", help="decode tok/s and TTFT of vLLM serving a GLM-5 GGUF (or a synthetic "
+                              "header with --load-format glm5-synthetic); --projection to 78 layers / TP=8",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="GGUF file (shard 1 of a split set), or a synthetic-gguf header")
+    p.add_argument("--load-format", default="auto", help="vLLM load format: auto (the GGUF's data) or "
+                   "glm5-synthetic (random valid weights made on the GPUs)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY), help="default 1,8,64,256")
+    p.add_argument("--input-len", type=int, default=40)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--modes", type=_modes, default=list(MODES), help="eager,graphs (default both)")
+    p.add_argument("--graphs-mode", choices=("default", "nocompile"), default="default",
+                   help="graphs: vLLM's default compilation, or CUDA graphs without torch.compile")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=2, help="timed batches per measurement (median)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--attention-backend", help="vLLM --attention-backend (e.g. CUSTOM: glm5serve's Triton MLA)")
+    p.add_argument("--profile", action="store_true", help="per-step kernel-time breakdown (torch profiler)")
+    p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine process")
+    p.add_argument("--workdir", help="engine logs, specs and traces (default: a temporary folder)")
+    p.add_argument("--json", help="write the record (or the projection) here")
+    p.add_argument("--projection", nargs="+", metavar="RESULT.json",
+                   help="instead of running: project bench records to --target-layers at --target-tp")
+    p.add_argument("--target-layers", type=int, default=78)
+    p.add_argument("--target-tp", type=int, default=8)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    if args.projection:
+        try:
+            records = [json.loads(Path(f).read_text()) for f in args.projection]
+        except (OSError, ValueError) as e:
+            raise GGUFModelError(f"cannot read a bench record: {e}") from None
+        out = project(records, args.target_layers, args.target_tp)
+        print(format_projection(out))
+    else:
+        if args.model is None:
+            raise GGUFModelError("bench needs a MODEL (or --projection RESULT.json ...)")
+        if args.output_len < 2 or args.input_len < 1 or args.tp < 1:
+            raise GGUFModelError("--output-len must be >= 2, --input-len and --tp >= 1")
+        out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
+                    load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,
+                    output_len=args.output_len, max_model_len=args.max_model_len, repeats=args.repeats,
+                    gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+                    profile=args.profile, profile_steps=args.profile_steps, workdir=args.workdir,
+                    timeout=args.timeout)
+        print(format_record(out))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0 if args.projection or all("error" not in r for r in out["runs"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m glm5serve.bench --worker SPEC.json OUT.json``: one engine (:func:`run_engine`)."""
+    ap = argparse.ArgumentParser(prog="python -m glm5serve.bench")
+    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rec = run_engine(json.loads(Path(a.worker[0]).read_text()))
+    Path(a.worker[1]).write_text(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

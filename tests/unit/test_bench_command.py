@@ -1,0 +1,226 @@
+"""``glm5serve bench``'s arithmetic, engine settings, profile grouping and projection, with a stand-in for vLLM
+(the GPU runs are tests/gpu/test_synthetic.py's). Expected numbers are worked out here by hand or from a stated
+model, not by the code under test."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from glm5serve import bench
+from glm5serve.cli import main
+
+INFO = {"layers": 8, "vocab_size": 154880, "hidden_size": 6144, "n_routed_experts": 256, "synthetic": True,
+        "gguf_gb": 44.0}
+
+
+def test_decode_stats_by_hand():
+    # 8 requests, 128 tokens: 0.1 s to the first token, 127 decode steps in 1.27 s -> 10 ms per step
+    s = bench.decode_stats(8, 128, ttft_s=0.1, e2e_s=1.37)
+    assert s["step_ms"] == pytest.approx(10.0)
+    assert s["tok_s_per_request"] == pytest.approx(100.0)
+    assert s["tok_s_total"] == pytest.approx(800.0)
+    assert bench.decode_stats(8, 128, ttft_s=0.5, e2e_s=0.4)["step_ms"] is None  # no decode time: not a number
+
+
+class StandIn:
+    """Records the specs it is given and answers with fixed timings: TTFT 20 ms + 1 ms per request, decode steps of
+    (5 + 0.01 c) ms, so ``e2e = ttft + 127 step``."""
+
+    def __init__(self, fail_mode=None):
+        self.specs, self.fail_mode = [], fail_mode
+
+    def __call__(self, spec, workdir, name, timeout):
+        self.specs.append((name, spec))
+        if spec["engine"].get("enforce_eager") and self.fail_mode == "eager":
+            raise RuntimeError("vLLM (eager) failed")
+        results = []
+        for c in spec["concurrency"]:
+            ttft = 0.020 + 0.001 * c
+            results.append({"concurrency": c, "ttft_s": ttft, "e2e_s": ttft + (spec["output_len"] - 1) *
+                            (0.005 + 0.00001 * c), "short": 0})
+        return {"vllm": "0.25.0", "gpu": "stand-in", "init_s": 12.0, "results": results}
+
+
+def test_bench_record_from_a_stand_in_runner(tmp_path):
+    runner = StandIn()
+    rec = bench.bench("g5-8.gguf", concurrency=[64, 1, 8, 256], load_format="glm5-synthetic", graphs_mode="nocompile",
+                      workdir=tmp_path, runner=runner, info=INFO)
+    assert [r["mode"] for r in rec["runs"]] == ["eager", "graphs"]
+    assert rec["layers"] == 8 and rec["load_format"] == "glm5-synthetic"
+    for run in rec["runs"]:
+        assert [r["concurrency"] for r in run["results"]] == [1, 8, 64, 256]
+        for r in run["results"]:
+            c = r["concurrency"]
+            assert r["step_ms"] == pytest.approx(5 + 0.01 * c)
+            assert r["tok_s_per_request"] == pytest.approx(1000 / (5 + 0.01 * c))
+            assert r["tok_s_total"] == pytest.approx(1000 * c / (5 + 0.01 * c))
+    (eager_name, eager), (graphs_name, graphs) = runner.specs
+    assert (eager_name, graphs_name) == ("eager-tp1", "graphs-tp1")
+    assert eager["engine"]["enforce_eager"] is True and "compilation_config" not in eager["engine"]
+    assert graphs["engine"]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 64, 256], "mode": 0,
+                                                      "cudagraph_mode": "FULL_DECODE_ONLY"}
+    for _, spec in runner.specs:
+        e = spec["engine"]
+        assert e["load_format"] == "glm5-synthetic" and e["max_num_seqs"] == 256 and not e["enable_prefix_caching"]
+        assert e["max_num_batched_tokens"] >= 256 * 40  # the largest batch prefills in one step
+        assert "profiler_config" not in e
+    text = bench.format_record(rec)
+    assert "7.56" in text and "33862.4" in text  # c=256: 5 + 2.56 ms per step, 256 / 7.56 ms tokens/s
+
+
+def test_default_graphs_mode_compiles_and_profile_sets_vllms_profiler(tmp_path):
+    runner = StandIn()
+    bench.bench("m.gguf", modes=["graphs"], concurrency=[1, 8], profile=True, profile_steps=6, workdir=tmp_path,
+                runner=runner, info=INFO)
+    (_, spec), = runner.specs
+    assert spec["engine"]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8]}
+    assert "load_format" not in spec["engine"]  # auto: the GGUF's own data
+    pc = spec["engine"]["profiler_config"]
+    assert pc["profiler"] == "torch" and pc["max_iterations"] == 6 and pc["delay_iterations"] == bench.PROFILE_DELAY
+    assert pc["torch_profiler_dir"].startswith(str(tmp_path))
+
+
+def test_a_failing_engine_is_recorded_and_the_other_mode_still_runs(tmp_path):
+    rec = bench.bench("m.gguf", concurrency=[1], workdir=tmp_path, runner=StandIn(fail_mode="eager"), info=INFO)
+    eager, graphs = rec["runs"]
+    assert "failed" in eager["error"] and not eager["results"]
+    assert graphs["results"][0]["step_ms"] == pytest.approx(5.01)
+
+
+# -- profile grouping -----------------------------------------------------------------------------------------------
+
+KERNELS = {  # kernel names as they appear in CUDA traces of vLLM 0.25 on an H200, the plugin and glm5serve
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "allreduce",
+    "void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, int)": "allreduce",
+    "_moe_gate_up_kernel": "moe",
+    "q4_k_moe_kernel": "moe",
+    "void vllm::moe::grouped_topk_kernel<__nv_bfloat16, float>(...)": "moe",
+    "_mla_decode_kernel": "attention",
+    "void flash::flash_fwd_splitkv_mla_kernel<Flash_fwd_kernel_traits_mla<576, 64, 64, 8>, true>(...)": "attention",
+    "void vllm::top_k_per_row_decode<1024>(float const*, int const*, int*, long, long, int, int)": "attention",
+    "void deep_gemm::sm90_fp8_paged_mqa_logits<64u, 128u, 4u>(...)": "attention",
+    "void vllm::concat_and_cache_mla_kernel<__nv_bfloat16, __nv_bfloat16>(...)": "attention",
+    "void vllm::rotary_embedding_kernel<c10::BFloat16, false>(...)": "attention",
+    "_gemv_kernel": "gemm",
+    "q5_k_gemm_kernel": "gemm",
+    "nvjet_tst_128x64_64x6_1x1_h_bz_TNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)": "gemm",
+    "void vllm::rms_norm_kernel<c10::BFloat16, 8>(...)": "other",
+    "void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel<c10::BFloat16>, true>(...)": "other",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >": "other",
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_groups(name):
+    assert bench.kernel_group(name) == KERNELS[name]
+
+
+def _trace(steps: int, prefill: bool = False) -> list[dict]:
+    ev = []
+    for s in range(steps):
+        ctx = "execute_context_1(40)_generation_7(7)" if prefill and s == 0 else "execute_context_0(0)_generation_8(8)"
+        ev.append({"ph": "X", "cat": "user_annotation", "name": ctx, "ts": 1000 * s, "dur": 900})
+        ev += [{"ph": "X", "cat": "kernel", "name": "_mla_decode_kernel", "ts": 0, "dur": 30.0},
+               {"ph": "X", "cat": "kernel", "name": "q4_k_moe_kernel", "ts": 0, "dur": 50.0},
+               {"ph": "X", "cat": "kernel", "name": "q4_k_moe_kernel", "ts": 0, "dur": 50.0},
+               {"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "ts": 0, "dur": 40.0},
+               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 0, "dur": 10.0},
+               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 5.0},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999.0}]
+    return ev
+
+
+def test_kernel_breakdown_per_step_and_fractions(tmp_path):
+    path = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.123.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _trace(4)}, f)
+    b = bench.kernel_breakdown(bench.load_trace(path))
+    assert b["steps"] == 4 and b["decode_only"] and b["gpu_us_per_step"] == pytest.approx(185.0)
+    g = b["groups"]
+    assert (g["moe"]["us_per_step"], g["moe"]["calls_per_step"]) == (pytest.approx(100.0), pytest.approx(2.0))
+    assert g["attention"]["us_per_step"] == pytest.approx(30.0) and g["gemm"]["us_per_step"] == pytest.approx(40.0)
+    assert g["allreduce"]["us_per_step"] == pytest.approx(10.0) and g["other"]["us_per_step"] == pytest.approx(5.0)
+    assert sum(v["fraction"] for v in g.values()) == pytest.approx(1.0)
+    assert b["top"][0] == {"name": "q4_k_moe_kernel", "group": "moe", "us_per_step": pytest.approx(100.0)}
+
+
+def test_kernel_breakdown_flags_prefill_and_needs_kernels():
+    assert not bench.kernel_breakdown(_trace(3, prefill=True))["decode_only"]
+    with pytest.raises(ValueError, match="0 GPU kernels"):
+        bench.kernel_breakdown([{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_x"}])
+
+
+# -- projection -----------------------------------------------------------------------------------------------------
+
+# a stated world: per step a(L) = 3 + 0.05 L ms that does not divide by TP, w(L) = 1 + 0.6 L ms that does, and
+# n(L) = 2 L + 1 all-reduces of 25 µs each when TP > 1
+def _world_ms(layers: int, tp: int) -> float:
+    a, w = 3 + 0.05 * layers, 1 + 0.6 * layers
+    return a + w / tp + ((2 * layers + 1) * 0.025 if tp > 1 else 0.0)
+
+
+def _record(layers: int, tp: int, profile: bool = False) -> dict:
+    results = []
+    for c in (1, 64):
+        r = {"concurrency": c, "step_ms": _world_ms(layers, tp)}
+        if profile:
+            n = 2 * layers + 1
+            r["profile"] = {"groups": {"allreduce": {"us_per_step": 25.0 * n, "calls_per_step": n}}}
+        results.append(r)
+    return {"tp": tp, "layers": layers, "runs": [{"mode": "graphs", "results": results}]}
+
+
+def test_projection_recovers_the_stated_world():
+    recs = [_record(4, 1), _record(8, 1), _record(4, 2), _record(8, 2, profile=True)]
+    p = bench.project(recs, target_layers=78, target_tp=8)
+    assert p["label"] == "projection (not a measurement)"
+    tp1 = p["layers"]["tp1"]["graphs"]["1"]
+    assert tp1["step_ms"] == pytest.approx(_world_ms(78, 1)) and tp1["ms_per_layer"] == pytest.approx(0.65)
+    assert p["layers"]["tp2"]["graphs"]["64"]["step_ms"] == pytest.approx(_world_ms(78, 2))
+    tp8 = p["tp"]["graphs"]["64"]
+    assert tp8["step_ms"] == pytest.approx(_world_ms(78, 8))
+    assert tp8["tok_s_total"] == pytest.approx(64 * 1000 / _world_ms(78, 8))
+    assert (tp8["a_ms"], tp8["w_ms"], tp8["allreduce_calls"]) == (pytest.approx(3 + 0.05 * 78),
+                                                                   pytest.approx(1 + 0.6 * 78), 157)
+    assert "warning" not in tp8
+
+
+def test_projection_says_what_is_missing():
+    p = bench.project([_record(8, 1), _record(8, 2, profile=True)])
+    assert "two or more layer counts" in p["layers"]["tp1"]["graphs"]["1"]["missing"]
+    p = bench.project([_record(4, 1), _record(8, 1)])
+    assert "TP=2" in p["tp"]["graphs"]["1"]["missing"]
+
+
+# -- the commands ---------------------------------------------------------------------------------------------------
+
+def test_projection_command_prints_and_writes_a_labelled_projection(tmp_path, capsys):
+    files = []
+    for i, rec in enumerate([_record(4, 1), _record(8, 1), _record(4, 2), _record(8, 2, profile=True)]):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(rec))
+    out = tmp_path / "proj.json"
+    assert main(["bench", "--projection", *map(str, files), "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("PROJECTION (not a measurement)") and all("projection" in x for x in lines[1:])
+    assert json.loads(out.read_text())["label"] == "projection (not a measurement)"
+
+
+def test_bench_command_errors_are_one_line(tmp_path, capsys):
+    assert main(["bench"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert main(["bench", "--projection", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read a bench record" in capsys.readouterr().err
+
+
+def test_synthetic_gguf_command(tmp_path, capsys):
+    out = tmp_path / "t.gguf"
+    assert main(["synthetic-gguf", str(out), "--preset", "tiny"]) == 0
+    assert out.is_file() and "--load-format glm5-synthetic" in capsys.readouterr().out
+    assert main(["synthetic-gguf", str(tmp_path / "g.gguf"), "--layers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at least 4 layers" in err
