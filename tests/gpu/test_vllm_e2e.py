@@ -328,7 +328,8 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> 
                 for a, tier in ((tight, "before the first router near-tie"), (loose, "whole generation")):
                     if not a.ok:
                         failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why}")
-    _summary(results_dir, name, {"backends": other["backends"], "gguf_kernels": other["gguf_kernels"], "tol_tight": TOL_TIGHT, "tol": TOL,
+    _summary(results_dir, name, {"backends": other["backends"], "gguf_kernels": other["gguf_kernels"],
+                                 "tol_tight": TOL_TIGHT, "tol": TOL,
                                  "router_tau": ROUTER_TAU, "max_tight_gap": max(r["tight_gap"] for r in rows),
                                  "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
                                  "prompts": len(rows), "rows": rows})
@@ -336,23 +337,31 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> 
 
 
 def test_past_index_topk_determinism_and_gap(engines, results_dir, reference):
-    """Past index_topk: measure eager run-to-run determinism and the gap to the fp32 reference, and hold both to
-    the top-5 rule (vLLM's indexer caches keys in FP8, so its top-k boundary can move between runs)."""
+    """Eager run-to-run determinism at batch 1, 3 and 16 (bit-identical up to index_topk: the runner schedules
+    every batch in one engine step, see ``vllm_runner``), and past index_topk the measured rerun gap and the gap
+    to the fp32 reference, held to the top-5 rule (vLLM's indexer caches keys in FP8, so its top-k boundary can
+    move between runs)."""
     first = vllm_run(engines, "eager-tp1")
     second = vllm_run(engines, "eager-tp1-rerun")
-    singles1 = [b[0] for b in first["groups"]["single"]]
-    singles2 = [b[0] for b in second["groups"]["single"]]
     rows, failures = [], []
-    for a1, a2, r in zip(singles1, singles2, reference, strict=True):
-        rerun = top_k_rule(a2["tokens"], a2["logprobs"], a1["tokens"], a1["logprobs"])
-        ident = bit_identical(a2["tokens"], a2["logprobs"], a1["tokens"], a1["logprobs"]).ok
-        ref = top_k_rule(a1["tokens"], a1["logprobs"], r["tokens"], r["logprobs"])
-        rows.append({"prompt_len": r["prompt_len"], "rerun_identical": ident, "rerun_first_diff": rerun.first_diff,
-                     "rerun_max_gap": round(rerun.max_gap, 4), "ref_first_diff": ref.first_diff,
-                     "ref_max_gap": round(ref.max_gap, 4)})
-        if r["prompt_len"] <= 2048 and not ident:
-            failures.append(f"prompt {r['prompt_len']} (<= index_topk) is not reproducible eager-to-eager")
-        if not rerun.ok:  # the gap to the reference is reported here, asserted in test_eager_matches_reference
-            failures.append(f"prompt {r['prompt_len']}: eager rerun: {rerun.why}")
+    refs = iter(reference)
+    for g in ("single", "batch3", "batch16"):
+        for bi, (b1, b2) in enumerate(zip(first["groups"][g], second["groups"][g], strict=True)):
+            for a1, a2 in zip(b1, b2, strict=True):
+                rerun = top_k_rule(a2["tokens"], a2["logprobs"], a1["tokens"], a1["logprobs"])
+                same = bit_identical(a2["tokens"], a2["logprobs"], a1["tokens"], a1["logprobs"])
+                ident = same.ok
+                row = {"group": g, "prompt_len": a1["prompt_len"], "rerun_identical": ident,
+                       "rerun_first_diff": rerun.first_diff, "rerun_max_gap": round(rerun.max_gap, 4)}
+                if g == "single":
+                    r = next(refs)
+                    ref = top_k_rule(a1["tokens"], a1["logprobs"], r["tokens"], r["logprobs"])
+                    row.update(ref_first_diff=ref.first_diff, ref_max_gap=round(ref.max_gap, 4))
+                rows.append(row)
+                if a1["prompt_len"] <= 2048 and not ident:
+                    failures.append(f"{g}[{bi}] prompt {a1['prompt_len']} (<= index_topk) is not reproducible "
+                                    f"eager-to-eager: {same.why}")
+                if not rerun.ok:  # the gap to the reference is reported here, asserted in test_eager_matches_reference
+                    failures.append(f"{g}[{bi}] prompt {a1['prompt_len']}: eager rerun: {rerun.why}")
     _summary(results_dir, "determinism", {"rows": rows})
     assert not failures, failures

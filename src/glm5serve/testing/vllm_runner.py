@@ -36,6 +36,11 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
     ``score`` holds ``(prompt, continuation)`` token-id pairs: for each, ``scores`` gets the logprob (nats) vLLM
     gives every continuation token after the prompt (``prompt_logprobs=0`` over prompt + continuation).
     """
+    # The engine core in this process: ``LLM.generate`` then adds every request of a batch before the first step,
+    # so a batch is scheduled the same way in every run. With the core in its own process (vLLM's default) it
+    # starts stepping as soon as the first request arrives, the first steps' batch composition depends on timing,
+    # and vLLM is not batch-invariant: measured on the H200, eager reruns differed on 8 of 16 prompts at batch 16.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
