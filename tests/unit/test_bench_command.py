@@ -97,6 +97,7 @@ KERNELS = {  # kernel names as they appear in CUDA traces of vLLM 0.25 on an H20
     "_moe_gate_up_kernel": "moe",
     "q4_k_moe_kernel": "moe",
     "void vllm::moe::grouped_topk_kernel<__nv_bfloat16, float>(...)": "moe",
+    "void vllm::moe::topkGatingSigmoid<__nv_bfloat16, 8, 256, 4, 32, int, 0>(...)": "moe",
     "_mla_decode_kernel": "attention",
     "void flash::flash_fwd_splitkv_mla_kernel<Flash_fwd_kernel_traits_mla<576, 64, 64, 8>, true>(...)": "attention",
     "void vllm::top_k_per_row_decode<1024>(float const*, int const*, int*, long, long, int, int)": "attention",
@@ -110,7 +111,7 @@ KERNELS = {  # kernel names as they appear in CUDA traces of vLLM 0.25 on an H20
     "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)": "gemm",
     "void vllm::rms_norm_kernel<c10::BFloat16, 8>(...)": "other",
     "void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel<c10::BFloat16>, true>(...)": "other",
-    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >": "other",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1>>": "other",
 }
 
 
