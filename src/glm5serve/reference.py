@@ -176,8 +176,10 @@ class ReferenceModel:
         from glm5serve.dequant import dequantize_tensor
         from glm5serve.gguf_file import GGUFModel
         from glm5serve.schema import expected_tensors, hf_to_gguf, merge_gate_up, merge_kv_b
+        from glm5serve.synthetic import refuse_synthetic
 
         gguf = GGUFModel(path)
+        refuse_synthetic(gguf)  # a header from synthetic-gguf has no tensor data to read
         cfg = config_from_metadata(gguf)
         if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
             raise GGUFModelError(f"expert gating {cfg.scoring_func}: GLM-5 routes with sigmoid, the only gating "

@@ -117,6 +117,14 @@ def test_normal_load_of_a_header_is_refused_in_one_line(tiny_header):
     assert str(e.value) == f"{tiny_header}: {REFUSAL}"
 
 
+def test_reference_engine_refuses_a_header_in_one_line(tiny_header):
+    from glm5serve.reference import ReferenceModel
+
+    with pytest.raises(GGUFModelError) as e:
+        ReferenceModel.from_gguf(tiny_header)
+    assert str(e.value) == f"{tiny_header}: {REFUSAL}"
+
+
 # -- the byte source ----------------------------------------------------------------------------------------------
 
 def _layouts() -> list[tuple[Q, int, int]]:
