@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -225,3 +227,50 @@ def test_synthetic_gguf_command(tmp_path, capsys):
     assert main(["synthetic-gguf", str(tmp_path / "g.gguf"), "--layers", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "at least 4 layers" in err
+
+
+# -- the worker, with a stand-in for vllm.LLM -----------------------------------------------------------------------
+
+class FakeLLM:
+    """Answers ``generate`` with ``max_tokens`` tokens per prompt (one short request when asked) and writes one
+    trace file per profiled session into the profiler dir, as vLLM's rank-0 worker does."""
+
+    calls: list = []
+
+    def __init__(self, **kw):
+        self.kw, self.profiling = kw, False
+        FakeLLM.calls = [("init", kw)]
+
+    def generate(self, prompts, sp, use_tqdm=True):
+        FakeLLM.calls.append(("generate", len(prompts), sp.max_tokens, [len(p["prompt_token_ids"]) for p in prompts]))
+        n = sp.max_tokens
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n - (i == 0 and n == 128))))])
+                for i in range(len(prompts))]
+
+    def start_profile(self):
+        self.profiling = True
+
+    def stop_profile(self):
+        d = self.kw["profiler_config"]["torch_profiler_dir"]
+        os.makedirs(d, exist_ok=True)
+        with gzip.open(os.path.join(d, f"dp0_pp0_tp0_dcp0_ep0_rank0.{len(FakeLLM.calls)}.pt.trace.json.gz"),
+                       "wt") as f:
+            json.dump({"traceEvents": _trace(3)}, f)
+
+
+def test_worker_runs_the_workload_and_reads_its_profiles(tmp_path, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    engine = bench.engine_args("m.gguf", "eager", [1, 4], profile_dir=str(tmp_path / "traces"), profile_steps=3)
+    rec = bench.run_engine({"engine": engine, "concurrency": [1, 4], "input_len": 40, "output_len": 128,
+                            "vocab_size": 1000, "repeats": 2, "profile_steps": 3})
+    gens = [c[1:3] for c in FakeLLM.calls if c[0] == "generate"]
+    # per concurrency: warm-up, 2 x TTFT (1 token), 2 x full; then one profiled batch per concurrency
+    assert gens == [(1, 8), (1, 1), (1, 1), (1, 128), (1, 128), (4, 8), (4, 1), (4, 1), (4, 128), (4, 128),
+                    (1, bench.PROFILE_DELAY + 3 + 4), (4, bench.PROFILE_DELAY + 3 + 4)]
+    assert {n for c in FakeLLM.calls if c[0] == "generate" for n in c[3]} == {40}  # prompt lengths
+    assert [r["short"] for r in rec["results"]] == [2, 2]  # one short request in each of the two full batches
+    for r in rec["results"]:
+        assert r["ttft_s"] >= 0 and r["e2e_s"] >= 0
+        assert r["profile"]["steps"] == 3 and r["profile"]["groups"]["moe"]["us_per_step"] == pytest.approx(100.0)
