@@ -6,7 +6,9 @@ prompt tokens, ``--output-len`` 128 generated tokens (``ignore_eos``), at each `
 ``LLM.generate`` batch of that many requests; prefix caching off, so every prompt is prefilled). Per execution
 mode (``eager``; ``graphs``: vLLM's default compilation, or CUDA graphs without torch.compile with
 ``--graphs-mode nocompile``; capture sizes are the concurrencies) one engine runs in its own process, since vLLM
-does not free GPU memory when an engine goes away. After a warm-up batch per concurrency:
+does not free GPU memory when an engine goes away, with vLLM's engine core inside that process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so a batch's prefill is one step and every decode step holds
+exactly ``concurrency`` requests. After a warm-up batch per concurrency:
 
 - ``ttft_s``: wall time of a batch with ``max_tokens=1`` (prefill of all its prompts plus one sampled token), the
   median of ``--repeats``;
@@ -273,7 +275,8 @@ def run_engine(spec: dict) -> dict:
             except (ValueError, KeyError, OSError) as e:
                 r["profile"] = {"error": str(e)}
     return {"vllm": vllm.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "init_s": init_s, "results": results}
+            "engine_core_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0", "init_s": init_s,
+            "results": results}
 
 
 def run_in_subprocess(spec: dict, workdir: Path, name: str, timeout: float) -> dict:
@@ -483,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # the engine core in this process: LLM.generate adds a whole batch before the first step, so the prefill is one
+    # step and every decode step holds exactly `concurrency` requests (with the core in its own process, vLLM's
+    # default, it starts stepping when the first request arrives; =1 restores that)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     rec = run_engine(json.loads(Path(a.worker[0]).read_text()))
     Path(a.worker[1]).write_text(json.dumps(rec))
     return 0

@@ -44,7 +44,8 @@ MAX_TOKENS = 16
 
 #: one engine: LLM(load_format="glm5-synthetic") on the header, 4 prompts of 40 random tokens, greedy with logprobs
 ENGINE = r"""
-import json, sys, time
+import json, os, sys, time
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # every batch scheduled in one step
 spec = json.load(open(sys.argv[1]))
 from vllm import LLM, SamplingParams
 t = time.time()
