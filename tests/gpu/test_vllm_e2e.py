@@ -105,7 +105,7 @@ NEEDS = {"test_default_compile_close_to_eager": ["eager-tp1", "default-tp1"],
          "test_tp2_close_to_tp1": ["eager-tp1", "eager-tp2"],
          "test_past_index_topk_determinism_and_gap": ["eager-tp1", "eager-tp1-rerun"],
          "test_custom_mla_close_to_vllm_backend": ["eager-tp1", "eager-tp1-custom"],
-         "test_glm5serve_kernels_close_to_plugin_kernels": ["eager-tp1", "eager-tp1-pluginkernels"]}
+         "test_glm5serve_kernels_as_close_to_reference_as_plugin_kernels": ["eager-tp1", "eager-tp1-pluginkernels"]}
 _RUNS: dict[str, dict] = {}
 
 
@@ -294,12 +294,35 @@ def test_custom_mla_close_to_vllm_backend(engines, results_dir, ref_model):
            ref_model)
 
 
-def test_glm5serve_kernels_close_to_plugin_kernels(engines, results_dir, ref_model):
-    """glm5serve's GGUF decode kernels (installed by the plugin) against vllm-gguf-plugin's own (``eager``
-    both): the same weights dequantized in registers with another summation order; see :func:`_close`."""
+def _chosen(gen: dict, step: int) -> float:
+    """Chosen-token logprob at ``step`` (vLLM records key token ids as str, the reference engine as int)."""
+    lp, tok = gen["logprobs"][step], gen["tokens"][step]
+    return lp[str(tok)] if str(tok) in lp else lp[tok]
+
+
+def test_glm5serve_kernels_as_close_to_reference_as_plugin_kernels(engines, results_dir, reference):
+    """glm5serve's GGUF decode kernels (installed by the plugin) against vllm-gguf-plugin's own, both eager, each
+    measured against the fp32 reference over the steps before its first token difference: the new kernels must be
+    at least as accurate (mean chosen-token logprob gap no more than 10 % above the plugin's) and both must keep the
+    top-5 rule. The two engines are not compared with each other under TOL_TIGHT: the plugin's kernels alone are
+    0.41 nat from the reference before any router near-tie (H200, vLLM 0.25), ours 0.27."""
     ours, plugin = vllm_run(engines, "eager-tp1"), vllm_run(engines, "eager-tp1-pluginkernels")
     assert ours["gguf_kernels"].startswith("glm5serve-triton") and not plugin["gguf_kernels"].startswith("glm5serve")
-    _close(plugin, ours, results_dir, "glm5serve-vs-plugin-kernels", ref_model)
+    stats, failures = {}, []
+    for name, run in (("glm5serve", ours), ("plugin", plugin)):
+        gaps, agree = [], []
+        for (v,), r in zip(run["groups"]["single"], reference, strict=True):
+            a = top_k_rule(v["tokens"], v["logprobs"], r["tokens"], r["logprobs"])
+            if not a.ok:
+                failures.append(f"{name} kernels, prompt {r['prompt_len']}: {a.why}")
+            n = len(v["tokens"]) if a.first_diff is None else a.first_diff
+            agree.append(n)
+            gaps += [abs(_chosen(v, i) - _chosen(r, i)) for i in range(n)]
+        stats[name] = {"mean_gap": round(sum(gaps) / len(gaps), 4), "max_gap": round(max(gaps), 4),
+                       "steps_before_first_diff": agree}
+    _summary(results_dir, "glm5serve-vs-plugin-kernels", {"gguf_kernels": ours["gguf_kernels"], **stats})
+    assert not failures, failures
+    assert stats["glm5serve"]["mean_gap"] <= 1.1 * stats["plugin"]["mean_gap"], stats
 
 
 def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> None:
