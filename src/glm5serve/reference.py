@@ -121,19 +121,36 @@ class KVCache:
         return store[layer]
 
 
+def _check_num_layers(num_layers: int, cfg) -> int:
+    if not 1 <= num_layers <= cfg.num_hidden_layers:
+        raise ValueError(f"num_layers must be in 1..{cfg.num_hidden_layers}, not {num_layers}")
+    return num_layers
+
+
+def _in_first_layers(hf_name: str, num_layers: int) -> bool:
+    """Whether HF parameter ``hf_name`` belongs to a partial model: the embeddings or blocks ``0..num_layers-1``."""
+    if hf_name == "model.embed_tokens.weight":
+        return True
+    prefix, _, rest = hf_name.partition("model.layers.")
+    return prefix == "" and rest != "" and int(rest.split(".", 1)[0]) < num_layers
+
+
 class ReferenceModel:
     """GLM-5 forward pass over a dict of HF-named weights (``nn.Linear`` layout, transformers-5 names, fused
     ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I)).
 
     ``cfg`` is a transformers ``GlmMoeDsaConfig``. Options (see the module docstring): ``mla`` ("expanded" or
     "absorbed"), ``qa_kv_norm_eps`` (float, or "rms_norm_eps"), ``sparse``. They are plain attributes and may be
-    changed between calls. The compute dtype is that of the weights; norms, softmax, router and indexer scores
-    run in fp32 as in transformers (fp64 for fp64 weights); logits and captured states are fp32 (fp64 for fp64
-    weights, which the metamorphic tests use to tell logic errors from rounding).
+    changed between calls. ``num_layers`` (default: all): the model holds only the embeddings and the first
+    ``num_layers`` decoder layers, no final norm or ``lm_head`` (see :meth:`from_gguf`). The compute dtype is that
+    of the weights; norms, softmax, router and indexer scores run in fp32 as in transformers (fp64 for fp64
+    weights); logits and captured states are fp32 (fp64 for fp64 weights, which the metamorphic tests use to tell
+    logic errors from rounding).
     """
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], *, mla: str = "expanded",
-                 qa_kv_norm_eps: float | str = HF_QA_KV_NORM_EPS, sparse: bool = True):
+                 qa_kv_norm_eps: float | str = HF_QA_KV_NORM_EPS, sparse: bool = True,
+                 num_layers: int | None = None):
         if mla not in MLA_MODES:
             raise ValueError(f"mla must be one of {MLA_MODES}, not {mla!r}")
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -142,7 +159,9 @@ class ReferenceModel:
         self.cfg, self.w = cfg, weights
         self.mla, self.sparse = mla, sparse
         self.qa_kv_norm_eps = float(cfg.rms_norm_eps if qa_kv_norm_eps == "rms_norm_eps" else qa_kv_norm_eps)
-        self.n_layers = cfg.num_hidden_layers
+        self.n_layers = cfg.num_hidden_layers if num_layers is None else _check_num_layers(num_layers, cfg)
+        #: False for a partial model (``num_layers`` given): no final norm or output head, hidden states only
+        self.has_head = num_layers is None
         self.n_heads, self.nope, self.rope, self.v_dim = (
             cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
         self.kv_lora = cfg.kv_lora_rank
@@ -161,7 +180,7 @@ class ReferenceModel:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  **options) -> "ReferenceModel":
+                  num_layers: int | None = None, **options) -> "ReferenceModel":
         """Load a GLM-5 GGUF (one file or any shard of a split set) with glm5serve's dequantizers.
 
         Every tensor of the main model is checked against :func:`glm5serve.schema.expected_tensors` (presence,
@@ -171,6 +190,12 @@ class ReferenceModel:
         fp32).
         The MTP block is checked likewise and then ignored, as llama.cpp's glm-dsa graph does. ``options`` go to
         the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input.
+
+        ``num_layers`` (1 ≤ n ≤ ``num_hidden_layers``): every tensor is still checked, but only ``token_embd`` and
+        blocks ``0..n-1`` are dequantized, so the first layers of the 744B model fit one GPU (GLM-5: ~3.8 GB of
+        fp32 embeddings + ~1.5 GB per dense layer). The result has no output head: call ``forward(ids,
+        capture=True)``, whose hidden states equal the full model's first ``n + 1`` bit for bit. ValueError if
+        ``n`` is out of range.
         """
         from glm5serve.config import config_from_metadata
         from glm5serve.dequant import dequantize_tensor
@@ -195,9 +220,13 @@ class ReferenceModel:
                                      tensor=info.name)
             if (why := spec.check_type(info.qtype)) is not None:
                 raise GGUFModelError(why, file=info.file, tensor=info.name)
+        if num_layers is not None:
+            _check_num_layers(num_layers, cfg)
         weights: dict[str, torch.Tensor] = {}
         for hf_name, parts in hf_to_gguf(cfg).items():
             if any(p not in gguf for p in parts):  # optional (e.g. indexer of a "shared" layer), checked above
+                continue
+            if num_layers is not None and not _in_first_layers(hf_name, num_layers):
                 continue
             ts = [dequantize_tensor(gguf[p], dtype=torch.float32) for p in parts]
             if hf_name.endswith("kv_b_proj.weight"):
@@ -209,7 +238,7 @@ class ReferenceModel:
             keep32 = hf_name.endswith(FP32_SUFFIXES)
             weights[hf_name] = w.to(device=device, dtype=torch.promote_types(dtype, torch.float32) if keep32 else dtype)
             del ts, w
-        return cls(cfg, weights, **options)
+        return cls(cfg, weights, num_layers=num_layers, **options)
 
     # ------------------------------------------------------------------ layers
     def _p(self, i: int, name: str) -> torch.Tensor:
@@ -344,7 +373,12 @@ class ReferenceModel:
         cache is extended. With ``capture=True`` returns ``(logits, hidden)``, ``hidden`` a list of
         ``num_hidden_layers + 1`` fp32 (T, H) tensors: the embeddings, then the residual stream after each layer
         (what a forward hook on transformers' ``GlmMoeDsaDecoderLayer`` returns), for locating a divergence.
+        A partial model (``has_head`` False) has ``n_layers + 1`` of them, no logits (``(None, hidden)``) and
+        needs ``capture=True`` (ValueError otherwise).
         """
+        if not self.has_head and not capture:
+            raise ValueError(f"this model holds only its first {self.n_layers} layers and no output head: "
+                             "call it with capture=True for the hidden states")
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + ids.numel(), device=self.device)
@@ -361,6 +395,8 @@ class ReferenceModel:
                 hidden.append(upcast(h))
         if cache is not None:
             cache.length += ids.numel()
+        if not self.has_head:
+            return None, hidden
         h = rms_norm(h, self.w["model.norm.weight"], self.rms_eps)
         logits = upcast(F.linear(h, self.w["lm_head.weight"]))
         return (logits, hidden) if capture else logits
