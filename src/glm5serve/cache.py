@@ -28,11 +28,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
 
 
-@lru_cache(maxsize=1)
-def code_digest() -> str:
-    """12 hex digits identifying the code that writes checkpoints (see module docstring)."""
+@lru_cache(maxsize=None)
+def code_digest(sources: tuple[str, ...] = _SOURCES) -> str:
+    """12 hex digits identifying the code that writes a cached artefact: gguf-py's version and the source of the
+    ``glm5serve.<name>`` modules in ``sources`` (default: those that write checkpoints, see module docstring)."""
     h = hashlib.sha256(getattr(gguf, "__version__", "").encode())
-    for name in _SOURCES:
+    for name in sources:
         spec = importlib.util.find_spec(f"glm5serve.{name}")
         if spec is not None and spec.origin:
             h.update(name.encode() + Path(spec.origin).read_bytes())

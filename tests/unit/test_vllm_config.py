@@ -103,6 +103,12 @@ def test_hf_folder_is_written_once_per_file_version(registered, tiny_checkpoint,
     os.utime(copy, ns=(stamp + 10**9, stamp + 10**9))  # a rewritten file gets a fresh folder
     assert hf_folder(copy) != first
     assert [p.name for p in first.parent.iterdir() if p.name.startswith(".")] == []  # no temporary left over
+    second = hf_folder(copy)
+    import glm5serve.cache
+
+    # a change to the code that writes the folder (config, tokenizer, this parser) gets a fresh folder too
+    monkeypatch.setattr(glm5serve.cache, "code_digest", lambda sources: "changed-code")
+    assert hf_folder(copy) not in (first, second)
 
 
 def test_config_parser_reads_a_gguf_file(registered, tiny_checkpoint):

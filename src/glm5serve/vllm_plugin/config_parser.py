@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,13 +20,8 @@ from vllm_gguf_plugin.config_parser import GGUFConfigParser
 
 from glm5serve.config import ARCH
 
-#: bump when the files written for a GGUF change, so stale cache folders are not reused
-FORMAT_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """``$GLM5SERVE_CACHE`` or ``~/.cache/glm5serve``."""
-    return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
+#: the modules whose code decides what :func:`hf_folder` writes: a change to any of them makes a fresh folder
+WRITERS = ("config", "tokenizer", "vllm_plugin.config_parser")
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,7 +67,8 @@ def glm5_config(model):
 def hf_folder(gguf_path) -> Path:
     """The HF-style folder (config, generation config, tokenizer) for a GLM-5 GGUF, written once per file version.
 
-    Keyed by the resolved path, size and mtime of shard 1 and :data:`FORMAT_VERSION`; written to a temporary folder
+    Keyed by the resolved path, size and mtime of shard 1, the transformers version and a digest of the code that
+    writes it (:data:`WRITERS`, :func:`glm5serve.cache.code_digest`); written to a temporary folder
     and renamed, so concurrent callers never see a half-written folder. Raises GGUFModelError for a bad GGUF.
     """
     from transformers import GenerationConfig
@@ -83,7 +78,12 @@ def hf_folder(gguf_path) -> Path:
 
     p = Path(str(gguf_path)).resolve()
     st = p.stat()
-    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|{FORMAT_VERSION}".encode()).hexdigest()[:16]
+    import transformers
+
+    from glm5serve.cache import cache_dir, code_digest
+
+    stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{code_digest(WRITERS)}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     out = cache_dir() / "hf" / f"{p.stem}-{key}"
     if (out / "config.json").is_file():
         return out
