@@ -121,11 +121,15 @@ def _plugin_gemv():
 
 
 def _plugin_moe():
+    """The plugin's fused MoE with glm5serve's fix for its int32 expert offsets (whole GLM-5 experts span 3.6 GB;
+    unfixed, the call faults with an illegal memory access: ``fixes._experts_below_2gib``)."""
     try:
         from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
+
+        from glm5serve.vllm_plugin.fixes import _experts_below_2gib
     except Exception as e:  # noqa: BLE001
         return None, f"not importable: {type(e).__name__}: {e}"[:120]
-    return _fused_moe_gguf, "plugin"
+    return _experts_below_2gib(_fused_moe_gguf), "plugin"
 
 
 def _try_time(make_fns):

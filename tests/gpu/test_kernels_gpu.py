@@ -261,3 +261,41 @@ def test_vllm_ops_route_decode_batches_to_glm5serve():
     wts = torch.rand(T, k, device=DEV)
     y = quantization.fused_moe_gguf(x, w13, w2, wts, ids, int(Q.Q4_K), int(Q.Q4_K), "silu")
     assert torch.equal(y, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q4_K))
+
+
+#: GLM-5's whole routed experts at TP=1 through the plugin's MoE op as glm5serve's plugin fixes leave it; experts
+#: 160 and up start past 2**31 bytes of w13 (14.2 MB each)
+_MOE_OVER_2GIB = r"""
+import torch
+from gguf import GGMLQuantizationType as Q
+from glm5serve.vllm_plugin import fixes
+from glm5serve.kernels.testing import random_qweight_torch, dequant, reference_moe
+from vllm_gguf_plugin import quantization
+fixes.apply()
+E, H, I, T, used = 256, 6144, 2048, 24, torch.tensor([1, 160, 200, 255])
+g = torch.Generator("cuda").manual_seed(0)
+w13 = random_qweight_torch(Q.Q4_K, (E, 2 * I, H), "cuda", g)
+w2 = random_qweight_torch(Q.Q4_K, (E, H, I), "cuda", g)
+x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+slots = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t)) for t in range(T)])
+wts = torch.softmax(torch.randn(T, 4, generator=torch.Generator().manual_seed(1)), -1)
+y = quantization.fused_moe_gguf(x, w13, w2, wts.cuda(), used[slots].to(torch.int32).cuda(), int(Q.Q4_K),
+                                int(Q.Q4_K), "silu")
+ref, _ = reference_moe(x.float(), dequant(w13[used.cuda()], Q.Q4_K), dequant(w2[used.cuda()], Q.Q4_K), wts, slots)
+rel = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+print("relative error", rel)
+assert torch.isfinite(y).all() and rel < 2e-2, rel
+"""
+
+
+def test_plugin_moe_over_2gib_of_experts():
+    """vllm-gguf-plugin's fused MoE (prefill batches, > 16 tokens, run the plugin's kernels) on GLM-5's whole
+    3.6 GB ``w13`` with experts past 2**31 bytes: equal to the float64 reference (relative error < 2e-2). Without
+    ``fixes._experts_below_2gib`` the plugin's int32 expert offsets fault with an illegal memory access, which
+    poisons the CUDA context: hence a subprocess."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _MOE_OVER_2GIB], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "relative error" in r.stdout

@@ -317,3 +317,34 @@ def test_kv_b_proj_not_loaded_is_a_load_error(tiny_checkpoint, monkeypatch):
     msg = str(e.value)
     assert "GGUF tensor(s) not loaded by vLLM: blk.0.attn_k_b.weight, blk.0.attn_v_b.weight" in msg
     assert "vLLM parameter(s) not loaded: model.layers.0.self_attn.kv_b_proj." in msg
+
+
+def test_moe_experts_run_in_groups_below_the_int32_limit():
+    """vllm-gguf-plugin#127 class (int32 expert offsets in the fused MoE kernels): the fix splits the experts into
+    groups whose tensors stay below the limit, shifts the ids, zeroes the slots routed elsewhere and sums the
+    groups' outputs. With a small limit on float experts, the grouped result equals one call over all experts."""
+    from glm5serve.vllm_plugin.fixes import _experts_below_2gib
+
+    g = torch.Generator().manual_seed(0)
+    E, H, inter, T, k = 8, 16, 8, 5, 3
+    w1, w2 = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    seen = []
+
+    def moe(x, w1, w2, wts, ids, t1, t2, act):  # a stand-in kernel with the op's signature, on float experts
+        seen.append(w1.shape[0])
+        assert int(ids.min()) >= 0 and int(ids.max()) < w1.shape[0]
+        h = torch.einsum("eoh,th->teo", w1, x)[torch.arange(T)[:, None], ids.long()]
+        h = torch.nn.functional.silu(h[..., :inter]) * h[..., inter:]
+        y = torch.einsum("tsi,tshi->tsh", h, w2[ids.long()])
+        return (wts[..., None] * y).sum(1)
+
+    fixed = _experts_below_2gib(moe, limit=3 * 2 * inter * H)
+    got = fixed(x, w1, w2, wts, ids, 0, 0, "silu")
+    assert seen == [3, 3, 2]
+    seen.clear()
+    whole = _experts_below_2gib(moe, limit=E * 2 * inter * H)(x, w1, w2, wts, ids, 0, 0, "silu")
+    assert seen == [E]
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,12 @@ ReplicatedLinear GGUF params       :func:`_replicated_linear_loader`: ``GGUFLine
                                    layer's size-asserting loader, which fails on the uninitialised GGUF param
                                    ("Tried to load weights of size [16, 68] to a parameter of size [0]").
                                    Store the bytes as the plugin stores any unsharded GGUF weight.
+MoE expert offsets in int32        :func:`_experts_below_2gib`: the fused MoE kernels compute an expert's offset as
+(CUDA extension: vllm-gguf-plugin  ``expert * stride_we`` in int32 (Triton: ``expert`` is loaded as int32 and the
+#127; Triton kernels: same class,  stride passed as an int32 scalar), so past 2**31 bytes of one expert tensor the
+no issue found)                    pointer wraps: GLM-5's whole ``w13`` (256 x 4096 x 3456 B = 3.6 GB at TP=1)
+                                   faults with an illegal memory access. Run the experts in groups whose bytes stay
+                                   below 2**31 (two calls for GLM-5 at TP=1; one, unchanged, at TP >= 2).
 =================================  ==========================================================================
 
 Faults fixed outside this module, because the fix is the GLM-5 adapter's own job (tested the same way):
@@ -31,12 +37,16 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 _MARK = "_glm5serve_fixed"
+#: the first element offset a kernel with int32 offsets cannot address
+INT32_LIMIT = 2**31
 
 
 def apply() -> None:
     """Install every fix (idempotent: a wrapped function is marked and never wrapped twice)."""
-    from vllm_gguf_plugin import weight_utils
+    from vllm_gguf_plugin import quantization, weight_utils
     from vllm_gguf_plugin.quantization import linear, params
     from vllm_gguf_plugin.weights_adapter import default, gemma3
 
@@ -48,6 +58,10 @@ def apply() -> None:
     for module in (weight_utils, default, gemma3):  # default/gemma3 imported the function by name
         module.gguf_quant_weights_iterator_multi = fixed
     _patch(linear.GGUFLinearMethod, "create_weights", _replicated_linear_loader)
+    # GGUFMoEMethod.apply looks the op up in the package at call time; glm5serve's kernel op
+    # (kernels.vllm_ops.install, marked "_glm5serve_kernels") already calls the fixed plugin op
+    if not getattr(quantization.fused_moe_gguf, "_glm5serve_kernels", False):
+        _patch(quantization, "fused_moe_gguf", _experts_below_2gib)
 
 
 def _mark(fn):
@@ -110,3 +124,30 @@ def _store_whole(param, loaded_weight, *args, **kwargs) -> None:
     from vllm_gguf_plugin.quantization.params import _store_gguf_loaded_weight
 
     _store_gguf_loaded_weight(param, loaded_weight)
+
+
+def _experts_below_2gib(orig, limit: int = INT32_LIMIT):
+    """Run the plugin's fused MoE on groups of experts whose weights each span fewer than ``limit`` elements.
+
+    ``orig(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation)`` takes ``w1`` (E, 2I, row
+    bytes) and ``w2`` (E, H, row bytes) uint8 GGUF experts (or float ones), ``topk_ids``/``topk_weights`` (T, k).
+    A group ``[a, b)`` gets the views ``w[a:b]`` (offsets from their own base stay below ``limit``), ids shifted by
+    ``a``, and weight 0 (id 0) for slots routed outside it; the groups' (T, H) outputs are summed. One expert
+    larger than ``limit`` is not fixable this way: ValueError.
+    """
+    @functools.wraps(orig)
+    def fused_moe(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation):
+        n_experts, step = w1.shape[0], max(w1.stride(0), w2.stride(0))
+        if n_experts * step <= limit:
+            return orig(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation)
+        group = limit // step
+        if group < 1:
+            raise ValueError(f"one GGUF expert spans {step} elements, more than the MoE kernels address ({limit})")
+        out = None
+        for a in range(0, n_experts, group):
+            inside = (topk_ids >= a) & (topk_ids < a + group)
+            y = orig(x, w1[a:a + group], w2[a:a + group], torch.where(inside, topk_weights, 0),
+                     torch.where(inside, topk_ids - a, 0), qweight_type, qweight_type2, activation)
+            out = y if out is None else out.add_(y)
+        return out
+    return fused_moe
