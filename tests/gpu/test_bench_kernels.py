@@ -122,14 +122,14 @@ def _plugin_gemv():
 
 def _plugin_moe():
     """The plugin's fused MoE with glm5serve's fix for its int32 expert offsets (whole GLM-5 experts span 3.6 GB;
-    unfixed, the call faults with an illegal memory access: ``fixes._experts_below_2gib``)."""
+    unfixed, the call faults with an illegal memory access: ``fixes._expert_groups``)."""
     try:
         from vllm_gguf_plugin.quantization.fused_moe import _fused_moe_gguf
 
-        from glm5serve.vllm_plugin.fixes import _experts_below_2gib
+        from glm5serve.vllm_plugin.fixes import _expert_groups
     except Exception as e:  # noqa: BLE001
         return None, f"not importable: {type(e).__name__}: {e}"[:120]
-    return _experts_below_2gib(_fused_moe_gguf), "plugin"
+    return _expert_groups(_fused_moe_gguf), "plugin"
 
 
 def _try_time(make_fns):

@@ -291,7 +291,7 @@ assert torch.isfinite(y).all() and rel < 2e-2, rel
 def test_plugin_moe_over_2gib_of_experts():
     """vllm-gguf-plugin's fused MoE (prefill batches, > 16 tokens, run the plugin's kernels) on GLM-5's whole
     3.6 GB ``w13`` with experts past 2**31 bytes: equal to the float64 reference (relative error < 2e-2). Without
-    ``fixes._experts_below_2gib`` the plugin's int32 expert offsets fault with an illegal memory access, which
+    ``fixes._expert_groups`` the plugin's int32 expert offsets fault with an illegal memory access, which
     poisons the CUDA context: hence a subprocess."""
     import subprocess
     import sys

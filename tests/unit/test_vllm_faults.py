@@ -320,10 +320,11 @@ def test_kv_b_proj_not_loaded_is_a_load_error(tiny_checkpoint, monkeypatch):
 
 
 def test_moe_experts_run_in_groups_below_the_int32_limit():
-    """vllm-gguf-plugin#127 class (int32 expert offsets in the fused MoE kernels): the fix splits the experts into
-    groups whose tensors stay below the limit, shifts the ids, zeroes the slots routed elsewhere and sums the
-    groups' outputs. With a small limit on float experts, the grouped result equals one call over all experts."""
-    from glm5serve.vllm_plugin.fixes import _experts_below_2gib
+    """vllm-gguf-plugin#127 class (int32 expert offsets in the fused MoE kernels) and plugin PR#130 (expert id -1
+    for padding): the fix splits the experts into groups whose tensors stay below the limit, shifts the ids, gives
+    slots routed elsewhere (and -1) expert 0 with weight 0, and sums the groups' outputs. With a small limit on
+    float experts the grouped result equals one call over all experts, and a -1 slot contributes nothing."""
+    from glm5serve.vllm_plugin.fixes import _expert_groups
 
     g = torch.Generator().manual_seed(0)
     E, H, inter, T, k = 8, 16, 8, 5, 3
@@ -341,10 +342,16 @@ def test_moe_experts_run_in_groups_below_the_int32_limit():
         y = torch.einsum("tsi,tshi->tsh", h, w2[ids.long()])
         return (wts[..., None] * y).sum(1)
 
-    fixed = _experts_below_2gib(moe, limit=3 * 2 * inter * H)
+    fixed = _expert_groups(moe, limit=3 * 2 * inter * H)
     got = fixed(x, w1, w2, wts, ids, 0, 0, "silu")
     assert seen == [3, 3, 2]
     seen.clear()
-    whole = _experts_below_2gib(moe, limit=E * 2 * inter * H)(x, w1, w2, wts, ids, 0, 0, "silu")
+    whole = _expert_groups(moe, limit=E * 2 * inter * H)(x, w1, w2, wts, ids, 0, 0, "silu")
     assert seen == [E]
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    padded = ids.clone()
+    padded[1, 0] = padded[3, 2] = -1  # vLLM 0.33's padding slots
+    zeroed = wts.clone()
+    zeroed[1, 0] = zeroed[3, 2] = 0
+    torch.testing.assert_close(fixed(x, w1, w2, wts, padded, 0, 0, "silu"),
+                               moe(x, w1, w2, zeroed, ids, 0, 0, "silu"), rtol=1e-5, atol=1e-5)

@@ -17,12 +17,16 @@ ReplicatedLinear GGUF params       :func:`_replicated_linear_loader`: ``GGUFLine
                                    layer's size-asserting loader, which fails on the uninitialised GGUF param
                                    ("Tried to load weights of size [16, 68] to a parameter of size [0]").
                                    Store the bytes as the plugin stores any unsharded GGUF weight.
-MoE expert offsets in int32        :func:`_experts_below_2gib`: the fused MoE kernels compute an expert's offset as
+MoE expert offsets in int32        :func:`_expert_groups`: the fused MoE kernels compute an expert's offset as
 (CUDA extension: vllm-gguf-plugin  ``expert * stride_we`` in int32 (Triton: ``expert`` is loaded as int32 and the
 #127; Triton kernels: same class,  stride passed as an int32 scalar), so past 2**31 bytes of one expert tensor the
 no issue found)                    pointer wraps: GLM-5's whole ``w13`` (256 x 4096 x 3456 B = 3.6 GB at TP=1)
                                    faults with an illegal memory access. Run the experts in groups whose bytes stay
-                                   below 2**31 (two calls for GLM-5 at TP=1; one, unchanged, at TP >= 2).
+                                   below 2**31 (two calls for GLM-5 at TP=1; one at TP >= 2).
+MoE expert id -1 (padding; plugin  the same wrap: vLLM 0.33 routes padding tokens to expert -1
+PR#130, open)                      (``VLLM_MOE_SKIP_PADDING=1``), which the kernels index as an expert (the bytes
+                                   before the tensor). A slot outside the group, -1 included, gets expert 0 and
+                                   weight 0.
 =================================  ==========================================================================
 
 Faults fixed outside this module, because the fix is the GLM-5 adapter's own job (tested the same way):
@@ -61,7 +65,7 @@ def apply() -> None:
     # GGUFMoEMethod.apply looks the op up in the package at call time; glm5serve's kernel op
     # (kernels.vllm_ops.install, marked "_glm5serve_kernels") already calls the fixed plugin op
     if not getattr(quantization.fused_moe_gguf, "_glm5serve_kernels", False):
-        _patch(quantization, "fused_moe_gguf", _experts_below_2gib)
+        _patch(quantization, "fused_moe_gguf", _expert_groups)
 
 
 def _mark(fn):
@@ -126,20 +130,19 @@ def _store_whole(param, loaded_weight, *args, **kwargs) -> None:
     _store_gguf_loaded_weight(param, loaded_weight)
 
 
-def _experts_below_2gib(orig, limit: int = INT32_LIMIT):
-    """Run the plugin's fused MoE on groups of experts whose weights each span fewer than ``limit`` elements.
+def _expert_groups(orig, limit: int = INT32_LIMIT):
+    """Run the plugin's fused MoE on groups of experts whose weights each span at most ``limit`` elements, with
+    every slot routed outside the group (padding's expert -1 included) given expert 0 and weight 0.
 
     ``orig(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation)`` takes ``w1`` (E, 2I, row
     bytes) and ``w2`` (E, H, row bytes) uint8 GGUF experts (or float ones), ``topk_ids``/``topk_weights`` (T, k).
-    A group ``[a, b)`` gets the views ``w[a:b]`` (offsets from their own base stay below ``limit``), ids shifted by
-    ``a``, and weight 0 (id 0) for slots routed outside it; the groups' (T, H) outputs are summed. One expert
-    larger than ``limit`` is not fixable this way: ValueError.
+    A group ``[a, b)`` gets the views ``w[a:b]`` (offsets from their own base stay below ``limit``) and ids shifted
+    by ``a``; the groups' (T, H) outputs are summed. One expert larger than ``limit`` cannot be fixed this way:
+    ValueError.
     """
     @functools.wraps(orig)
     def fused_moe(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation):
         n_experts, step = w1.shape[0], max(w1.stride(0), w2.stride(0))
-        if n_experts * step <= limit:
-            return orig(x, w1, w2, topk_weights, topk_ids, qweight_type, qweight_type2, activation)
         group = limit // step
         if group < 1:
             raise ValueError(f"one GGUF expert spans {step} elements, more than the MoE kernels address ({limit})")
