@@ -4,6 +4,11 @@ tests/gpu/test_real_model.py``. Skips cleanly without the variable.
 It loads the model in vLLM at the largest TP the visible GPUs and ``verify --tp`` allow, then
 - scores known continuations: a right model gives them logprobs near 0, a garbage one (wrong layout, wrong
   shard order, ...) near −ln(vocab) ≈ −12 or worse;
+- compares the residual stream after vLLM's first decoder layers (``LAYERS``, fewer if the model has fewer) with
+  the reference engine's, which loads only those layers (``from_gguf(num_layers=...)``), so this also runs for the
+  744B model on one GPU: per layer and position within ``LAYER_REL_TOL`` (bf16 vs fp32; how it was measured is in
+  :mod:`glm5serve.testing.layer_capture`), except after a router near-tie in an MoE layer (GLM-5's first three
+  layers are dense; the narrow checkpoint's 2nd and 3rd are MoE), where a loose bound only catches garbage;
 - when the model is small enough for the reference engine on one GPU (the narrow checkpoint, so the code path is
   exercised here), compares vLLM's greedy continuations and continuation scores with the reference engine.
 A glm5serve-made checkpoint (random weights) knows no text, so there the known continuations are the reference
@@ -20,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glm5serve.testing.layer_capture import LAYER_REL_TOL, layer_errors, router_near_ties
 from glm5serve.testing.logprobs import top_k_rule
 
 pytestmark = pytest.mark.gpu
@@ -31,6 +37,11 @@ KNOWN = [  # (prompt, continuation): what any competent English LM continues wit
     ("The quick brown fox jumps over the lazy", " dog"),
 ]
 REFERENCE_MAX_BYTES = 20 << 30   # the reference engine dequantizes to fp32 on one GPU
+LAYERS = 3   # decoder layers compared one by one (GLM-5: its three dense layers, ~8 GB fp32 with the embeddings)
+#: after a router near-tie vLLM may route a token to another expert: the narrow checkpoint's random experts then move
+#: its stream by up to 0.12 (measured through the CPU harness). Only garbage fails this; subtler faults show at the
+#: positions away from near-ties (every position of a dense layer: GLM-5's first three, the narrow's first)
+NEAR_TIE_REL_TOL = 0.5
 
 
 def _tp_for(model) -> int:
@@ -57,8 +68,36 @@ def model_path() -> Path:
     return Path(p)
 
 
+def _reference_layers(model_path, prompts, n: int) -> tuple[list, list]:
+    """Per prompt, the reference's residual stream after each of its first ``n`` layers (fp32 CPU (T, H) tensors)
+    and the (n, T) router near-tie mask; computed on GPU 0 in fp32 with vLLM's norm epsilon."""
+    from glm5serve.reference import ReferenceModel
+
+    m = ReferenceModel.from_gguf(model_path, device="cuda", qa_kv_norm_eps="rms_norm_eps", num_layers=n)
+    layers = [[h.cpu() for h in m.forward(p, capture=True)[1][1:]] for p in prompts]
+    near = [router_near_ties(m, p, n) for p in prompts]
+    del m
+    torch.cuda.empty_cache()
+    return layers, near
+
+
+def _layer_failures(states, ref_layers, near, prompts) -> list[str]:
+    """vLLM's captured layer states against the reference's (printed): a line per prompt that is not within
+    LAYER_REL_TOL at every position away from router near-ties and within NEAR_TIE_REL_TOL at the rest."""
+    failures = []
+    for p, s, r, tie in zip(prompts, states, ref_layers, near, strict=True):
+        errs = layer_errors(s, r)
+        print(f"\nlayer errors, prompt of {len(p)} tokens: max per layer {errs.amax(1).tolist()}, "
+              f"{int(tie.sum())} of {tie.numel()} (layer, position) after a router near-tie")
+        if (errs[~tie] > LAYER_REL_TOL).any() or (errs[tie] > NEAR_TIE_REL_TOL).any():
+            failures.append(f"prompt of {len(p)} tokens: errors {errs.tolist()}, near-ties {tie.tolist()}")
+    return failures
+
+
 def test_real_model(model_path, tmp_path):
+    from glm5serve.config import config_from_metadata
     from glm5serve.gguf_file import GGUFModel
+    from glm5serve.testing.vllm_runner import load_layer_states
     from glm5serve.tokenizer import tokenizer_from_gguf
 
     gguf = GGUFModel(model_path)
@@ -67,6 +106,8 @@ def test_real_model(model_path, tmp_path):
     tok = tokenizer_from_gguf(gguf)
     tp = _tp_for(model_path)
     prompts = [tok.encode(p) for p, _ in KNOWN]
+    n_layers = min(LAYERS, config_from_metadata(gguf).num_hidden_layers)
+    ref_layers, near = _reference_layers(model_path, prompts, n_layers)
     ref = None
     if total <= REFERENCE_MAX_BYTES:
         from glm5serve.engine_check import greedy_with_top5
@@ -82,9 +123,12 @@ def test_real_model(model_path, tmp_path):
     sfile.write_text(json.dumps([[p, c] for p, c in zip(prompts, conts)]))
     r = subprocess.run([sys.executable, "-m", "glm5serve.testing.vllm_runner", "--model", str(model_path),
                         "--batches", str(bfile), "--score", str(sfile), "--out", str(out), "--tp", str(tp),
-                        "--max-tokens", "8"], capture_output=True, text=True, timeout=3600)
+                        "--max-tokens", "8", "--capture-layers", str(n_layers),
+                        "--gpu-memory-utilization", "0.4" if total <= REFERENCE_MAX_BYTES else "0.85"],
+                       capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = json.loads(out.read_text())
+    layer_failures = _layer_failures(load_layer_states(out), ref_layers, near, prompts)
     mean_lp = [sum(s) / len(s) for s in rec["scores"]]
     print(f"\nTP={tp} synthetic={synthetic} continuation logprobs: {mean_lp}")
     if synthetic and ref is not None:  # random weights know no text: the reference's own continuation is known
@@ -97,3 +141,4 @@ def test_real_model(model_path, tmp_path):
         for (v,), rr in zip(rec["batches"], ref):
             a = top_k_rule(v["tokens"], v["logprobs"], rr["tokens"], rr["logprobs"])
             assert a.ok, a.why
+    assert not layer_failures, f"layer outputs differ from the reference's: {layer_failures}"
