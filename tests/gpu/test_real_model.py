@@ -42,6 +42,10 @@ LAYERS = 3   # decoder layers compared one by one (GLM-5: its three dense layers
 #: its stream by up to 0.12 (measured through the CPU harness). Only garbage fails this; subtler faults show at the
 #: positions away from near-ties (every position of a dense layer: GLM-5's first three, the narrow's first)
 NEAR_TIE_REL_TOL = 0.5
+#: |vLLM - reference| logprob of the reference's first greedy token (glm5serve-made checkpoints, bf16 vs fp32):
+#: vLLM eager on the narrow checkpoint was up to 0.27 nat from the reference before any token differed
+#: (tests/gpu/test_vllm_e2e.py, H200, vLLM 0.25) and 0.18 here; garbage scores near -ln(vocab) or worse
+CONTINUATION_GAP = 0.3
 
 
 def _tp_for(model) -> int:
@@ -132,14 +136,16 @@ def test_real_model(model_path, tmp_path):
     layer_failures = _layer_failures(load_layer_states(out), ref_layers, near, prompts)
     mean_lp = [sum(s) / len(s) for s in rec["scores"]]
     print(f"\nTP={tp} synthetic={synthetic} continuation logprobs: {mean_lp}")
+    failures = [f"layer outputs differ from the reference's: {f}" for f in layer_failures]
     if synthetic and ref is not None:  # random weights know no text: the reference's own continuation is known
         ref_lp = [rr["logprobs"][0][rr["tokens"][0]] for rr in ref]
         gaps = [abs(a - b) for a, b in zip(mean_lp, ref_lp)]
-        assert max(gaps) < 0.1, f"continuation logprobs {mean_lp} vs reference {ref_lp}"
-    else:
-        assert all(lp > -2.0 for lp in mean_lp), f"known continuations score {mean_lp}: the model computes garbage"
+        if max(gaps) > CONTINUATION_GAP:
+            failures.append(f"continuation logprobs {mean_lp} vs reference {ref_lp}")
+    elif not all(lp > -2.0 for lp in mean_lp):
+        failures.append(f"known continuations score {mean_lp}: the model computes garbage")
     if ref is not None:
         for (v,), rr in zip(rec["batches"], ref):
-            a = top_k_rule(v["tokens"], v["logprobs"], rr["tokens"], rr["logprobs"])
-            assert a.ok, a.why
-    assert not layer_failures, f"layer outputs differ from the reference's: {layer_failures}"
+            if not (a := top_k_rule(v["tokens"], v["logprobs"], rr["tokens"], rr["logprobs"])).ok:
+                failures.append(f"greedy generation: {a.why}")
+    assert not failures, failures
