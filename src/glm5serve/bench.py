@@ -227,11 +227,13 @@ def engine_args(model: str, mode: str, concurrency: list[int], *, tp: int = 1, l
     return kw
 
 
-def run_engine(spec: dict) -> dict:
+def run_engine(spec: dict, progress: Callable[[dict], None] | None = None) -> dict:
     """One engine (``spec["engine"]``: :func:`engine_args`) through the whole workload; the worker process's job.
 
     Returns ``init_s``, ``vllm``, ``gpu`` and per concurrency the raw ``ttft_s``/``e2e_s`` (median of
     ``spec["repeats"]``), ``short`` (requests that returned fewer than ``output_len`` tokens) and ``profile``.
+    ``progress`` gets the record so far after every concurrency and every profile (the worker writes it out, so a
+    run cut short by a timeout keeps what it measured).
     """
     import numpy as np
     import torch
@@ -252,6 +254,11 @@ def run_engine(spec: dict) -> dict:
         return time.perf_counter() - t, outs
 
     results = []
+    record = {"vllm": vllm.__version__,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "engine_core_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0", "init_s": init_s,
+              "results": results}
+    report = progress or (lambda rec: None)
     for c in spec["concurrency"]:
         batch(c, 8)  # warm-up: Triton JIT, allocator, graphs of this size
         ttft = statistics.median(batch(c, 1)[0] for _ in range(spec["repeats"]))
@@ -259,6 +266,7 @@ def run_engine(spec: dict) -> dict:
         short = sum(len(o.outputs[0].token_ids) < output_len for _, outs in runs for o in outs)
         results.append({"concurrency": c, "ttft_s": ttft, "e2e_s": statistics.median(t for t, _ in runs),
                         "short": short})
+        report(record)
     trace_dir = (spec["engine"].get("profiler_config") or {}).get("torch_profiler_dir")
     if trace_dir:
         for r in results:
@@ -274,25 +282,34 @@ def run_engine(spec: dict) -> dict:
                 r["profile"] = {"trace": rank0[0].name, **kernel_breakdown(load_trace(rank0[0]))}
             except (ValueError, KeyError, OSError) as e:
                 r["profile"] = {"error": str(e)}
-    return {"vllm": vllm.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "engine_core_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0", "init_s": init_s,
-            "results": results}
+            report(record)
+    return record
 
 
 def run_in_subprocess(spec: dict, workdir: Path, name: str, timeout: float) -> dict:
     """:func:`run_engine` in a fresh ``python -m glm5serve.bench --worker`` process; its log is ``{name}.log`` in
-    ``workdir``. Raises RuntimeError with the log's tail when the worker fails."""
+    ``workdir``. A worker that fails or runs out of ``timeout`` after measuring some concurrencies gives those, with
+    ``error`` saying why the rest is missing; one that measured nothing raises RuntimeError with the log's tail."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_file, out, log = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    out.unlink(missing_ok=True)
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "glm5serve.bench", "--worker", str(spec_file), str(out)],
-                            stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", "glm5serve.bench", "--worker", str(spec_file), str(out)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            why = f"exit status {rc}"
+        except subprocess.TimeoutExpired:
+            rc, why = -1, f"timed out after {timeout:g} s"
+    partial = json.loads(out.read_text()) if out.is_file() else None
     if rc != 0:
+        if partial and partial.get("results"):
+            return {**partial, "error": f"vLLM ({name}) {why}; measured up to concurrency "
+                                        f"{partial['results'][-1]['concurrency']}, log {log}"}
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-6:])
-        raise RuntimeError(f"vLLM ({name}) failed with exit status {rc}, log {log}: {tail}")
-    return json.loads(out.read_text())
+        raise RuntimeError(f"vLLM ({name}) failed with {why}, log {log}: {tail}")
+    return partial
 
 
 def model_info(model: str) -> dict:
@@ -312,8 +329,10 @@ def bench(model: str, *, modes=MODES, concurrency=DEFAULT_CONCURRENCY, tp: int =
           graphs_mode: str = "default", input_len: int = 40, output_len: int = 128, max_model_len: int = 1024,
           repeats: int = 2, gpu_memory_utilization: float = 0.85, attention_backend: str | None = None,
           profile: bool = False, profile_steps: int = 8, workdir=None, timeout: float = 1800,
-          runner: Callable[[dict, Path, str, float], dict] = run_in_subprocess, info: dict | None = None) -> dict:
-    """Run the workload for every mode (one engine process each, through ``runner``) and return the record.
+          runner: Callable[[dict, Path, str, float], dict] = run_in_subprocess, info: dict | None = None,
+          progress: Callable[[dict], None] | None = None) -> dict:
+    """Run the workload for every mode (one engine process each, through ``runner``) and return the record
+    (also handed to ``progress`` after each mode).
 
     Record: the settings, ``model_info`` (``info`` overrides it), and ``runs``: per mode ``init_s``, ``vllm``, ``gpu``
     and ``results`` per concurrency (raw times, :func:`decode_stats`, ``profile``). A mode whose engine fails is
@@ -346,6 +365,8 @@ def bench(model: str, *, modes=MODES, concurrency=DEFAULT_CONCURRENCY, tp: int =
         for r in run["results"]:
             r.update(decode_stats(r["concurrency"], output_len, r["ttft_s"], r["e2e_s"]))
         record["runs"].append({"mode": mode, **run})
+        if progress:
+            progress(record)
     return record
 
 
@@ -453,6 +474,11 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def _write_json(path, rec: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(rec, indent=1))
+
+
 def _run(args) -> int:
     if args.projection:
         try:
@@ -471,11 +497,10 @@ def _run(args) -> int:
                     output_len=args.output_len, max_model_len=args.max_model_len, repeats=args.repeats,
                     gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                     profile=args.profile, profile_steps=args.profile_steps, workdir=args.workdir,
-                    timeout=args.timeout)
+                    timeout=args.timeout, progress=lambda rec: _write_json(args.json, rec) if args.json else None)
         print(format_record(out))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        _write_json(args.json, out)
     return 0 if args.projection or all("error" not in r for r in out["runs"]) else 1
 
 
@@ -490,8 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     # step and every decode step holds exactly `concurrency` requests (with the core in its own process, vLLM's
     # default, it starts stepping when the first request arrives; =1 restores that)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    rec = run_engine(json.loads(Path(a.worker[0]).read_text()))
-    Path(a.worker[1]).write_text(json.dumps(rec))
+    out = Path(a.worker[1])
+
+    def write(rec: dict) -> None:  # whole file each time, renamed into place: never half-written
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        tmp.replace(out)
+
+    write(run_engine(json.loads(Path(a.worker[0]).read_text()), progress=write))
     return 0
 
 

@@ -294,12 +294,17 @@ def run(args: argparse.Namespace) -> int:
 
         args.model = str(default_checkpoint())
     results = verify(args.model, args.tp)
+    for c in results:  # printed at once: the engine checks below take minutes
+        print(c.line(), flush=True)
     if getattr(args, "engine", None) == "vllm" and all(c.ok for c in results):
         from glm5serve.engine_check import engine_checks
 
-        results += engine_checks(args.model, args.tp)
-    for c in results:
-        print(c.line())
+        print("verify: running vLLM eager, the reference engine, then vLLM with CUDA graphs (minutes)",
+              file=sys.stderr, flush=True)
+        engine = engine_checks(args.model, args.tp)
+        for c in engine:
+            print(c.line(), flush=True)
+        results += engine
     failed = [c for c in results if not c.ok]
     print(f"verify: {'FAILED' if failed else 'OK'} ({len(results) - len(failed)}/{len(results)} checks passed, "
           f"TP={args.tp}) {args.model}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -274,3 +275,38 @@ def test_worker_runs_the_workload_and_reads_its_profiles(tmp_path, monkeypatch):
     for r in rec["results"]:
         assert r["ttft_s"] >= 0 and r["e2e_s"] >= 0
         assert r["profile"]["steps"] == 3 and r["profile"]["groups"]["moe"]["us_per_step"] == pytest.approx(100.0)
+
+
+def test_worker_reports_progress_after_each_concurrency_and_profile(tmp_path, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    engine = bench.engine_args("m.gguf", "eager", [1, 4], profile_dir=str(tmp_path / "traces"), profile_steps=3)
+    seen = []
+
+    def progress(r):
+        seen.append((len(r["results"]), sum("profile" in x for x in r["results"])))
+
+    rec = bench.run_engine({"engine": engine, "concurrency": [1, 4], "input_len": 40, "output_len": 128,
+                            "vocab_size": 1000, "repeats": 1, "profile_steps": 3}, progress=progress)
+    assert seen == [(1, 0), (2, 0), (2, 1), (2, 2)]
+    assert rec["results"][1]["concurrency"] == 4
+
+
+def test_a_worker_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """A worker killed by the timeout after writing partial results: they come back with ``error``; a worker that
+    wrote nothing is a RuntimeError."""
+    import subprocess
+
+    def fake_run(cmd, stdout, stderr, env, timeout):
+        out = Path(cmd[-1])
+        if "partial" in out.name:
+            out.write_text(json.dumps({"vllm": "x", "init_s": 1.0, "results": [{"concurrency": 1, "ttft_s": 0.1,
+                                                                                 "e2e_s": 1.0, "short": 0}]}))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    rec = bench.run_in_subprocess({"engine": {}}, tmp_path, "partial", 5)
+    assert rec["results"][0]["concurrency"] == 1 and "timed out after 5 s" in rec["error"]
+    with pytest.raises(RuntimeError, match="timed out"):
+        bench.run_in_subprocess({"engine": {}}, tmp_path, "empty", 5)
