@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType as Q
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv import _device_info
 from glm5serve.kernels.testing import random_qweight_torch
+from glm5serve.testing.gpu_timing import copy_bandwidth, graph_us
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -56,29 +57,7 @@ MOE_E, MOE_H, MOE_TOPK = 256, 6144, 8
 
 
 def _graph_us(fns, calls: int = CALLS) -> tuple[float, torch.cuda.CUDAGraph]:
-    """Median microseconds per call of ``fns[i % len(fns)]()``, i < max(calls, len(fns)), in one CUDA graph."""
-    seq = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in seq:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / len(seq), graph
+    return graph_us(fns, calls, REPLAYS)
 
 
 def _copies(make, nbytes: int) -> list:
@@ -93,13 +72,7 @@ def _qbytes(qtype, n, k) -> int:
 @pytest.fixture(scope="module")
 def copy_bw() -> float:
     """Device-to-device copy bandwidth, bytes read + written per second."""
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    us, _ = _graph_us([lambda: dst.copy_(src)], calls=8)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (us * 1e-6)
+    return copy_bandwidth(DEV)
 
 
 @pytest.fixture(scope="module")

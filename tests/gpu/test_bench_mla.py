@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ import torch
 
 from glm5serve.mla.testing import fa3_sparse, flashmla_sparse, make_batch, padded_query
 from glm5serve.mla.triton_mla import default_num_splits, mla_decode, split_workspace_numel
+from glm5serve.testing.gpu_timing import copy_bandwidth, graph_us
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,42 +45,13 @@ CASES = [(h, b, c) for h in (8, 64) for b in (1, 8, 64) for c in (2048, 8192, 32
 
 
 def _graph_us(fns, calls: int = CALLS) -> float:
-    """Median microseconds per call of ``fns[i % len(fns)]()`` captured back to back in one CUDA graph."""
-    seq = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in seq:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(seq)
+    return graph_us(fns, calls, REPLAYS)[0]
 
 
 @pytest.fixture(scope="module")
 def copy_bw() -> float:
     """Device-to-device copy bandwidth, bytes read + written per second."""
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    us = _graph_us([lambda: dst.copy_(src)], calls=8)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (us * 1e-6)
+    return copy_bandwidth(DEV)
 
 
 @pytest.fixture(scope="module")
