@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -57,9 +58,13 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
     ``path`` is a single ``.gguf`` file or any shard of a split set (``…-0000k-of-0000n.gguf``); the result lists
     shard 1..n in order. Raises GGUFModelError if the file or a shard is missing.
     """
+    if not str(path):
+        raise GGUFModelError("empty path: name a .gguf file")
     p = Path(path)
     m = SPLIT_RE.match(p.name)
     if not m:
+        if p.is_dir():
+            raise GGUFModelError("is a directory, not a GGUF file", file=str(p))
         if not p.is_file():
             raise GGUFModelError("no such file", file=str(p))
         return [p]
@@ -100,20 +105,34 @@ def _open_reader(path: Path) -> GGUFReader:
         return _Reader(path, "r")
     except _TensorProblem as e:
         raise GGUFModelError(e.reason, file=str(path), tensor=e.tensor) from None
-    except ValueError as e:  # bad magic, unknown ggml type, data past end of file (reshape fails), ...
-        msg = str(e)
-        if "reshape" in msg or "buffer is smaller" in msg or "out of bounds" in msg:
-            msg = "truncated file: tensor data runs past the end of the file"
-        elif "GGMLQuantizationType" in msg:
-            msg = f"unknown ggml tensor type ({msg})"
-        raise GGUFModelError(msg, file=str(path)) from None
-    except (OSError, IndexError, KeyError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise GGUFModelError(f"not a readable GGUF file ({type(e).__name__}: {e})", file=str(path)) from None
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, struct.error) as e:
+        # gguf-py's own words for a cut-off or garbled header ("When changing to a larger dtype...", "not enough
+        # values to unpack", "index 0 is out of bounds") say nothing to a user: name the defect, keep the reason
+        msg = str(e)
+        if "GGMLQuantizationType" in msg:
+            raise GGUFModelError(f"unknown ggml tensor type ({msg})", file=str(path)) from None
+        if "reshape" in msg:  # tensor data cut off (the size check in _Reader should catch it first)
+            raise GGUFModelError("truncated file: tensor data runs past the end of the file", file=str(path)) from None
+        reason = " ".join(msg.split())[:120] or type(e).__name__
+        raise GGUFModelError(f"not a readable GGUF file: header truncated or corrupt ({reason})",
+                             file=str(path)) from None
 
 
-def _field_value(field) -> Any:
-    v = field.contents()
-    return v
+def _field_value(field, path: Path) -> Any:
+    """``field.contents()``, with a string that is not UTF-8 reported by key (and array element)."""
+    try:
+        return field.contents()
+    except UnicodeDecodeError:
+        pass
+    for i, idx in enumerate(field.data):  # find the bad element (string arrays: one part per element)
+        try:
+            field.parts[idx].tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            where = f" at element {i}" if len(field.data) > 1 or field.types[0].name == "ARRAY" else ""
+            raise GGUFModelError(f"{field.name}: invalid UTF-8{where}", file=str(path)) from None
+    raise GGUFModelError(f"{field.name}: invalid UTF-8", file=str(path))
 
 
 class GGUFModel:
@@ -129,7 +148,7 @@ class GGUFModel:
         self.path = self.paths[0]
         self.readers = [_open_reader(p) for p in self.paths]
         self.metadata: dict[str, Any] = {
-            k: _field_value(f) for k, f in self.readers[0].fields.items() if not k.startswith("GGUF.")
+            k: _field_value(f, self.path) for k, f in self.readers[0].fields.items() if not k.startswith("GGUF.")
         }
         self.tensors: dict[str, TensorInfo] = {}
         count = len(self.paths)

@@ -147,3 +147,77 @@ def test_console_script_prints_no_traceback(bad):
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and tensor in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- bad input a new-user trial found: every command
+# that opens the model (inspect, verify, generate) refuses it in one line naming the file (and key or tensor).
+
+def _one_line(argv: list[str], capsys, *words: str) -> str:
+    """Run the CLI; assert exit 2 and exactly one stderr line holding ``words``, no traceback; return the line."""
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def _verify_fail(path: Path, capsys, *words: str) -> str:
+    """``verify`` fails with exactly one FAIL line holding ``words``; return it."""
+    assert main(["verify", str(path)]) == 1
+    out, err = capsys.readouterr()
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1 and "Traceback" not in out + err, out + err
+    for w in words:
+        assert w in fails[0], fails[0]
+    return fails[0]
+
+
+def _string_offset(path: Path, key: str) -> tuple[int, int]:
+    """(file offset of the first byte, element index) of an ASCII string of >= 2 bytes in the string array ``key``."""
+    r = GGUFReader(path)
+    f = r.fields[key]
+    base = r.data.__array_interface__["data"][0]
+    for i, idx in enumerate(f.data):
+        b = f.parts[idx].tobytes()
+        if len(b) >= 2 and b[:2].isascii() and b[:2].isalpha():
+            return f.parts[idx].__array_interface__["data"][0] - base, i
+    raise AssertionError(f"no ASCII string in {key}")
+
+
+@pytest.fixture(scope="module")
+def bad_utf8(tiny_checkpoint, tmp_path_factory) -> tuple[Path, int]:
+    """The tiny checkpoint with one tokenizer.ggml.tokens string made invalid UTF-8 (a lead byte before ASCII)."""
+    path = tmp_path_factory.mktemp("utf8") / "bad_utf8.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    offset, element = _string_offset(path, "tokenizer.ggml.tokens")
+    b = bytearray(path.read_bytes())
+    b[offset] ^= 0x80
+    path.write_bytes(bytes(b))
+    return path, element
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "generate"])
+def test_invalid_utf8_token_names_key_and_element(command, bad_utf8, capsys):
+    path, element = bad_utf8
+    words = (path.name, f"tokenizer.ggml.tokens: invalid UTF-8 at element {element}")
+    if command == "verify":
+        _verify_fail(path, capsys, *words)
+    else:
+        _one_line([command, str(path)] + (["--prompt", "Hi"] if command == "generate" else []), capsys, *words)
+
+
+@pytest.mark.parametrize("n_bytes", [0, 3, 4, 8, 24, 100, 1000])
+def test_truncated_header_says_so(n_bytes, tiny_checkpoint, tmp_path, capsys):
+    path = tmp_path / f"head{n_bytes}.gguf"
+    path.write_bytes(tiny_checkpoint.read_bytes()[:n_bytes])
+    line = _one_line(["inspect", str(path)], capsys, path.name, "not a readable GGUF file: header truncated or corrupt (")
+    assert line.rstrip().endswith(")") and "()" not in line  # gguf-py's reason is kept
+    _verify_fail(path, capsys, path.name, "header truncated or corrupt")
+
+
+def test_directory_and_empty_path(tmp_path, capsys):
+    _one_line(["inspect", str(tmp_path)], capsys, str(tmp_path), "is a directory")
+    _one_line(["inspect", ""], capsys, "empty path")
+    _one_line(["generate", str(tmp_path), "--prompt", "Hi"], capsys, "is a directory")
