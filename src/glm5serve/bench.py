@@ -449,7 +449,7 @@ def add_parser(subparsers) -> None:
                               "header with --load-format glm5-synthetic); --projection to 78 layers / TP=8",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="GGUF file (shard 1 of a split set), or a synthetic-gguf header")
-    p.add_argument("--load-format", default="auto", help="vLLM load format: auto (the GGUF's data) or "
+    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "glm5-synthetic"), help="vLLM load format: auto (the GGUF's data) or "
                    "glm5-synthetic (random valid weights made on the GPUs)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY), help="default 1,8,64,256")
@@ -474,6 +474,45 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def _read_record(path) -> dict:
+    """A bench record from ``path`` (what ``glm5serve bench --json`` writes), checked for the fields the projection
+    reads; GGUFModelError naming the file otherwise."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise GGUFModelError(f"cannot read a bench record: {e}", file=str(path)) from None
+    try:
+        ok = (isinstance(rec["tp"], int) and rec["tp"] >= 1 and isinstance(rec["layers"], int) and rec["layers"] >= 1
+              and all(isinstance(r["concurrency"], int) and isinstance(r.get("step_ms") or 0, (int, float))
+                      for run in rec["runs"] for r in run.get("results", [])))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise GGUFModelError("not a glm5serve bench record (needs tp, layers and runs[].results[] with concurrency "
+                             "and step_ms)", file=str(path))
+    return rec
+
+
+def _check_runnable(args) -> None:
+    """Refuse up front what would only fail inside vLLM: no CUDA GPU (or fewer than ``--tp``), a synthetic header
+    without ``--load-format glm5-synthetic``, real weights with it."""
+    import torch
+
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.synthetic import is_synthetic
+
+    synthetic = is_synthetic(GGUFModel(args.model))
+    if synthetic and args.load_format != "glm5-synthetic":
+        raise GGUFModelError("synthetic header without tensor data: add --load-format glm5-synthetic",
+                             file=str(args.model))
+    if not synthetic and args.load_format == "glm5-synthetic":
+        raise GGUFModelError("--load-format glm5-synthetic needs a header from glm5serve synthetic-gguf",
+                             file=str(args.model))
+    if torch.cuda.device_count() < args.tp:
+        raise GGUFModelError(f"needs {args.tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run "
+                             "GLM-5's sparse attention on a CPU")
+
+
 def _write_json(path, rec: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(rec, indent=1))
@@ -481,10 +520,9 @@ def _write_json(path, rec: dict) -> None:
 
 def _run(args) -> int:
     if args.projection:
-        try:
-            records = [json.loads(Path(f).read_text()) for f in args.projection]
-        except (OSError, ValueError) as e:
-            raise GGUFModelError(f"cannot read a bench record: {e}") from None
+        if args.target_layers < 1 or args.target_tp < 1:
+            raise GGUFModelError("--target-layers and --target-tp must be >= 1")
+        records = [_read_record(f) for f in args.projection]
         out = project(records, args.target_layers, args.target_tp)
         print(format_projection(out))
     else:
@@ -492,6 +530,7 @@ def _run(args) -> int:
             raise GGUFModelError("bench needs a MODEL (or --projection RESULT.json ...)")
         if args.output_len < 2 or args.input_len < 1 or args.tp < 1:
             raise GGUFModelError("--output-len must be >= 2, --input-len and --tp >= 1")
+        _check_runnable(args)
         out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
                     load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,
                     output_len=args.output_len, max_model_len=args.max_model_len, repeats=args.repeats,

@@ -424,8 +424,11 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
     state = HFWeights(cfg, seed, mtp_shared_tensors, p.routed_expert_gain)
     n_tensors = sum(1 for s in schema.expected_tensors(cfg) if _wanted(s, mtp_shared_tensors))
     per_file = math.ceil(n_tensors / split) if split > 1 else 0
-    if split < 1 or (split > 1 and math.ceil(n_tensors / per_file) != split):
-        raise ValueError(f"cannot split {n_tensors} tensors into {split} files of equal tensor count")
+    if split < 1:
+        raise ValueError(f"--split must be >= 1, not {split}")
+    if split > 1 and math.ceil(n_tensors / per_file) != split:
+        raise ValueError(f"cannot split {n_tensors} tensors into {split} files: {per_file} per file (every file but "
+                         f"the last full, as gguf-split writes them) fills {math.ceil(n_tensors / per_file)}")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -488,7 +491,8 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
     n = len(r.tensors)
     per_file = math.ceil(n / split)
     if math.ceil(n / per_file) != split:
-        raise ValueError(f"cannot split {n} tensors into {split} files of equal tensor count")
+        raise ValueError(f"cannot split {n} tensors into {split} files: {per_file} per file (every file but the "
+                         f"last full, as gguf-split writes them) fills {math.ceil(n / per_file)}")
     w = GGUFWriter(out_dir / f"{stem}.gguf", ARCH, split_max_tensors=per_file)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":

@@ -2,8 +2,8 @@
 
 Every module in :data:`COMMAND_MODULES` exposes ``add_parser(subparsers)``, which registers its sub-command and sets
 ``func`` (``args -> exit code``). A module that is not there (a command still being written, or left out of a
-build) is skipped. Bad input -- any :class:`~glm5serve.errors.GGUFModelError` -- is printed as its one line on
-stderr with exit status 2, never as a traceback.
+build) is skipped. Bad input -- any :class:`~glm5serve.errors.GGUFModelError`, or an ``OSError`` such as an output
+path that cannot be written -- is printed as one line on stderr with exit status 2, never as a traceback.
 """
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly (Python docs, "Note on SIGPIPE")
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # an output path that cannot be written, a file that vanished: one line too
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"glm5serve {args.command}: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

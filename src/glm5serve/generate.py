@@ -10,6 +10,7 @@ TOKEN is the vocabulary string, byte-level BPE spelling).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -26,17 +27,37 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens (default 32)")
     p.add_argument("--logprobs", type=int, default=0, metavar="K",
                    help="after the text, list each new token's logprob and the top-K alternatives")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); else sample")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
     p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded", help="MLA form (same result)")
-    p.add_argument("--qa-kv-norm-eps", default="1e-6",
+    p.add_argument("--qa-kv-norm-eps", type=_eps, default="1e-6",
                    help='q_a/kv_a RMSNorm eps: 1e-6 (transformers, default) or "rms_norm_eps" (llama.cpp, vLLM)')
     p.set_defaults(func=run)
 
 
 def _eps(value: str) -> float | str:
-    return value if value == "rms_norm_eps" else float(value)
+    """argparse type: ``rms_norm_eps`` or a positive finite float."""
+    if value == "rms_norm_eps":
+        return value
+    try:
+        eps = float(value)
+    except ValueError:
+        eps = math.nan
+    if not (math.isfinite(eps) and eps > 0):
+        raise argparse.ArgumentTypeError(f'{value!r} is neither a positive number nor "rms_norm_eps"')
+    return eps
+
+
+def _temperature(value: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        t = float(value)
+    except ValueError:
+        t = math.nan
+    if not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number >= 0")
+    return t
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(default_checkpoint())
     tok = tokenizer_from_gguf(args.model)
     model = ReferenceModel.from_gguf(args.model, dtype=DTYPES[args.dtype], mla=args.mla,
-                                     qa_kv_norm_eps=_eps(args.qa_kv_norm_eps))
+                                     qa_kv_norm_eps=args.qa_kv_norm_eps)
+    if args.logprobs > model.cfg.vocab_size:
+        print(f"glm5serve generate: --logprobs {args.logprobs} exceeds the vocabulary ({model.cfg.vocab_size} tokens)",
+              file=sys.stderr)
+        return 2
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         print("glm5serve generate: the prompt encodes to no tokens", file=sys.stderr)

@@ -45,6 +45,8 @@ def preset_for(preset: str, layers: int | None = None) -> Preset:
     if preset not in presets:
         raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(presets)})")
     p = presets[preset]
+    if layers is not None and layers > p.first_k_dense_replace + p.n_moe_layers:
+        raise ValueError(f"--layers {layers}: {preset} has {p.first_k_dense_replace + p.n_moe_layers} main layers")
     return p if layers is None else layer_slice(p, layers)
 
 
@@ -161,7 +163,8 @@ def add_parser(subparsers) -> None:
                               f"--load-format {LOAD_FORMAT}: benchmark without the weights)",
                               description=write_header.__doc__.split("\n\n")[0])
     p.add_argument("out", help="GGUF file to write")
-    p.add_argument("--preset", choices=sorted({**PRESETS, **FULL_PRESETS}), default="glm5")
+    p.add_argument("--preset", choices=sorted({**PRESETS, **FULL_PRESETS}), default="glm5",
+                   help="model dimensions (default glm5: the real GLM-5)")
     p.add_argument("--layers", type=int, help="main layers to keep (a slice: the dense layers, then MoE layers; "
                    "no MTP block); default all")
     p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl")

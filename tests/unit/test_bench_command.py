@@ -310,3 +310,32 @@ def test_a_worker_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
     assert rec["results"][0]["concurrency"] == 1 and "timed out after 5 s" in rec["error"]
     with pytest.raises(RuntimeError, match="timed out"):
         bench.run_in_subprocess({"engine": {}}, tmp_path, "empty", 5)
+
+
+@pytest.mark.parametrize("content", ["{}", "[1, 2]", '{"tp": 1, "layers": 4, "runs": [{"mode": "graphs", '
+                                     '"results": [{"concurrency": 1, "step_ms": "fast"}]}]}'])
+def test_projection_refuses_what_is_not_a_bench_record(tmp_path, capsys, content):
+    f = tmp_path / "r.json"
+    f.write_text(content)
+    assert main(["bench", "--projection", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "not a glm5serve bench record" in err and err.strip().count("\n") == 0
+
+
+def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, tiny_checkpoint):
+    from glm5serve.synthetic import write_header
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"tp": 1, "layers": 4, "runs": []}))
+    for bad in (["--target-tp", "0"], ["--target-layers", "-5"]):
+        assert main(["bench", "--projection", str(f), *bad]) == 2
+        assert "must be >= 1" in capsys.readouterr().err
+    assert main(["bench", str(tiny_checkpoint)]) == 2  # no GPU here
+    assert "CUDA GPU" in capsys.readouterr().err
+    header = write_header(tmp_path / "h.gguf", "tiny")
+    assert main(["bench", str(header)]) == 2
+    assert "add --load-format glm5-synthetic" in capsys.readouterr().err
+    assert main(["bench", str(tiny_checkpoint), "--load-format", "glm5-synthetic"]) == 2
+    assert "needs a header" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", str(tiny_checkpoint), "--load-format", "bogus"])

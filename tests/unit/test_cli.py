@@ -29,7 +29,10 @@ def test_make_checkpoint_bad_arguments(tmp_path, capsys):
     assert "invalid choice: 'huge'" in capsys.readouterr().err
     assert main(["make-checkpoint", str(tmp_path), "--split", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot split" in err
+    assert err.count("\n") == 1 and "--split must be >= 1" in err
+    assert main(["make-checkpoint", str(tmp_path), "--split", "200"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot split" in err and "into 200 files" in err
 
 
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
@@ -96,3 +99,35 @@ def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
+    """make-checkpoint / synthetic-gguf into a path that is a file, a directory or under /proc: exit 2, one line."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    adir = tmp_path / "adir.gguf"
+    adir.mkdir()
+    for argv in (["make-checkpoint", str(afile), "--preset", "tiny"], ["synthetic-gguf", str(adir), "--preset", "tiny"],
+                 ["synthetic-gguf", "/proc/no/such.gguf", "--preset", "tiny"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"glm5serve {argv[0]}: ") and err.strip().count("\n") == 0, err
+
+
+def test_generate_options_are_checked(capsys):
+    for bad in (["--temperature", "nan"], ["--temperature", "-1"], ["--qa-kv-norm-eps", "foo"],
+                ["--qa-kv-norm-eps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "hi", *bad])
+        assert e.value.code == 2
+        assert f"error: argument {bad[0]}: " in capsys.readouterr().err
+
+
+def test_generate_logprobs_beyond_the_vocabulary(tiny_checkpoint, capsys):
+    assert main(["generate", str(tiny_checkpoint), "--prompt", "hi", "--max-tokens", "1", "--logprobs", "100000"]) == 2
+    assert "exceeds the vocabulary" in capsys.readouterr().err
+
+
+def test_synthetic_layers_beyond_the_model(tmp_path, capsys):
+    assert main(["synthetic-gguf", str(tmp_path / "x.gguf"), "--layers", "100"]) == 2
+    assert "glm5 has 78 main layers" in capsys.readouterr().err

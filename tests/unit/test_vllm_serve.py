@@ -21,8 +21,11 @@ def test_dry_run_prints_settings_and_the_vllm_command(tiny_split_checkpoint, cap
 
 
 def test_serve_execs_vllms_server_with_the_arguments_unchanged(tiny_checkpoint, monkeypatch, capsys):
+    import torch
+
     calls = []
     monkeypatch.setattr(serve.os, "execv", lambda exe, argv: calls.append((exe, argv)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # as on a 4-GPU host
     main(["serve", str(tiny_checkpoint), "-tp", "4", "--attention-backend", "FLASHMLA_SPARSE", "--port", "8001"])
     assert calls == [(sys.executable, [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
                                        str(tiny_checkpoint), "-tp", "4", "--attention-backend", "FLASHMLA_SPARSE",
@@ -41,7 +44,8 @@ def test_a_tp_verify_rejects_is_refused_with_its_message(tiny_checkpoint, capsys
 @pytest.mark.parametrize("capability, topk, want", [
     (None, 2048, "none: no CUDA GPU"), ((9, 0), 2048, "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE"),
     ((10, 0), 2048, "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE"), ((12, 0), 2048, "FLASHINFER_MLA_SPARSE_SM120"),
-    ((12, 0), 8, "needs index_topk 2048"), ((8, 0), 2048, "none known for SM80")])
+    ((12, 0), 8, "CUSTOM (glm5serve's Triton MLA"), ((8, 0), 2048, "CUSTOM (glm5serve's Triton MLA"),
+    ((7, 5), 2048, "needs SM80")])
 def test_attention_backend_by_gpu(capability, topk, want):
     assert want in serve.attention_backend(topk, None, capability)
 
@@ -61,3 +65,15 @@ def test_weight_memory_estimate_matches_what_a_rank_holds(tiny_checkpoint, tp):
     gguf = GGUFModel(tiny_checkpoint)
     estimate = serve.weight_bytes_per_gpu(gguf, config_from_metadata(gguf), tp)
     assert abs(estimate - held) <= 0.05 * held, (estimate, held)
+
+
+def test_serve_refuses_without_a_gpu_or_with_a_header_and_no_synthetic_format(tiny_checkpoint, tmp_path, capsys):
+    """What vLLM would only fail on after a long start is refused in one line (this CPU machine has no GPU)."""
+    from glm5serve.synthetic import write_header
+
+    assert main(["serve", str(tiny_checkpoint)]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+    header = write_header(tmp_path / "h.gguf", "tiny")
+    assert main(["serve", str(header)]) == 2
+    err = capsys.readouterr().err
+    assert "--load-format glm5-synthetic" in err and err.strip().count("\n") == 0

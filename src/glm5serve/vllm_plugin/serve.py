@@ -54,10 +54,10 @@ def attention_backend(index_topk: int, requested: str | None, capability: tuple[
         return "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE (SM90; vLLM picks)"
     if major == 10:
         return "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE (SM100; vLLM picks)"
-    if major == 12:
-        ok = "" if index_topk == 2048 else f" -- needs index_topk 2048, this model has {index_topk}: unsupported"
-        return "FLASHINFER_MLA_SPARSE_SM120 (SM120)" + ok
-    return f"none known for SM{major}{capability[1]} (sparse MLA needs SM90, SM100 or SM120)"
+    custom = "CUSTOM (glm5serve's Triton MLA, chosen automatically; vLLM's DSA indexer must still run on this GPU)"
+    if major == 12 and index_topk == 2048:
+        return "FLASHINFER_MLA_SPARSE_SM120 (SM120)"
+    return custom if major >= 8 else f"none for SM{major}{capability[1]} (Triton MLA needs SM80 or newer)"
 
 
 def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
@@ -148,5 +148,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'vLLM':>18}: {' '.join(cmd)}", flush=True)
     if dry_run:
         return 0
+    _check_runnable(args.model, vllm_args, tp)
     os.execv(cmd[0], cmd)
     return 1  # pragma: no cover (execv does not return)
+
+
+def _check_runnable(model, vllm_args: list[str], tp: int) -> None:
+    """Refuse in one line what vLLM would only fail on after a long start: fewer CUDA GPUs than ``tp``, a synthetic
+    header without ``--load-format glm5-synthetic``."""
+    import torch
+
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.synthetic import LOAD_FORMAT, is_synthetic
+
+    if is_synthetic(GGUFModel(model)) and option(vllm_args, "--load-format", default="auto") != LOAD_FORMAT:
+        raise GGUFModelError(f"synthetic header without tensor data: add --load-format {LOAD_FORMAT}", file=str(model))
+    if torch.cuda.device_count() < tp:
+        raise GGUFModelError(f"needs {tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run GLM-5's "
+                             "sparse attention on a CPU (--dry-run prints the settings)")
