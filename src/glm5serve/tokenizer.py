@@ -17,6 +17,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
 
 #: llama.cpp LLAMA_VOCAB_PRE_TYPE_CHATGLM4 (``(?i:...)`` spelled as ``'[sS]|...`` there)
@@ -107,7 +108,8 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     BPE (``ignore_merges=False``, as llama.cpp for ``glm4``), GLM-4 split regex, ByteLevel decoder; CONTROL tokens
     become special added tokens and USER_DEFINED ones plain added tokens, both with their GGUF ids. No BOS/EOS is
     added on encode (llama.cpp adds none for ``glm4``; the chat template writes ``[gMASK]<sop>``).
-    Raises GGUFModelError (naming the file) for a non-``gpt2`` model, an unknown pre-tokenizer or missing arrays.
+    Raises GGUFModelError (naming the file) for a model whose ``general.architecture`` is not ``glm-dsa`` (a plain
+    dict may omit the key), a non-``gpt2`` model, an unknown pre-tokenizer or missing arrays.
     """
     from glm5serve.gguf_file import GGUFModel
 
@@ -116,6 +118,9 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     else:
         model = model_or_path if isinstance(model_or_path, GGUFModel) else GGUFModel(model_or_path)
         md, path = model.metadata, str(model.path)
+    arch = md.get("general.architecture")
+    if arch != ARCH and (arch is not None or not isinstance(model_or_path, dict)):  # a foreign model: say that first
+        raise GGUFModelError(f"architecture is {arch!r}, not {ARCH!r}: not a GLM-5 GGUF", file=path)
     kind, pre = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.pre")
     if kind != "gpt2":
         raise GGUFModelError(f"tokenizer.ggml.model is {kind!r}, not 'gpt2' (byte-level BPE)", file=path)

@@ -221,3 +221,10 @@ def test_directory_and_empty_path(tmp_path, capsys):
     _one_line(["inspect", str(tmp_path)], capsys, str(tmp_path), "is a directory")
     _one_line(["inspect", ""], capsys, "empty path")
     _one_line(["generate", str(tmp_path), "--prompt", "Hi"], capsys, "is a directory")
+
+
+def test_generate_names_a_foreign_architecture_first(bad, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    path, _, _ = bad["foreign arch"]  # a llama GGUF without any tokenizer keys
+    _one_line(["generate", str(path), "--prompt", "Hi"], capsys, path.name, "architecture is 'llama', not 'glm-dsa'")
+    gemma = gguf_rewrite(tiny_checkpoint, tmp_path / "gemma3.gguf", arch="gemma3")  # a GLM tokenizer, gemma3 arch
+    _one_line(["generate", str(gemma), "--prompt", "Hi"], capsys, gemma.name, "architecture is 'gemma3', not 'glm-dsa'")
