@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from transformers import GlmMoeDsaConfig
 
 from glm5serve.errors import GGUFModelError
@@ -20,6 +21,73 @@ def _md(model) -> tuple[dict[str, Any], str]:
     return md, str(getattr(model, "path", "<metadata>"))
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def metadata_value(key: str, v: Any, kind: type, path: str):
+    """Metadata value ``v`` of ``key`` as ``kind`` (int, float or bool). Raises GGUFModelError naming ``path``,
+    ``key`` and the type expected when a value of another GGUF type (a string, an array, a fractional number for
+    an integer key) is stored there."""
+    ok = isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and (kind is not int or float(v).is_integer())
+    if not ok:
+        raise GGUFModelError(f"metadata key {key} is {_short(v)}, expected {_KINDS[kind]}", file=path)
+    return kind(v)
+
+
+def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
+    """Keys that contradict each other or the config, or that vLLM or the reference engine cannot run with
+    (llama.cpp ``llama_model_glm_dsa::load_arch_hparams``; vLLM's ``ModelConfig`` checks of ``max_model_len`` and
+    the special token ids). Each problem is one phrase naming its key."""
+    a = ARCH + "."
+    out = []
+
+    def eq(key: str, want) -> None:
+        v = md.get(a + key)
+        if v is not None and metadata_value(a + key, v, int, path) != int(want):
+            out.append(f"{a}{key}={int(v)} but the other keys give {int(want)}")
+
+    n_blocks = metadata_value(a + "block_count", md[a + "block_count"], int, path)
+    eq("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    eq("attention.value_length", cfg.kv_lora_rank)
+    eq("attention.head_count_kv", 1)
+    if cfg.max_position_embeddings <= 0:
+        out.append(f"{a}context_length={cfg.max_position_embeddings} is not positive")
+    if cfg.num_nextn_predict_layers >= n_blocks:
+        out.append(f"{a}nextn_predict_layers={cfg.num_nextn_predict_layers} is not below block_count={n_blocks}")
+    if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
+        out.append(f"{a}expert_used_count={cfg.num_experts_per_tok} not in 1..expert_count={cfg.n_routed_experts}")
+    if cfg.first_k_dense_replace > cfg.num_hidden_layers:
+        out.append(f"{a}leading_dense_block_count={cfg.first_k_dense_replace} exceeds the "
+                   f"{cfg.num_hidden_layers} main layers")
+    if cfg.qk_nope_head_dim <= 0:
+        out.append(f"{a}attention.key_length_mla={cfg.qk_nope_head_dim + cfg.qk_rope_head_dim} is not above "
+                   f"rope.dimension_count={cfg.qk_rope_head_dim}")
+    if cfg.index_head_dim < cfg.qk_rope_head_dim:
+        out.append(f"{a}attention.indexer.key_length={cfg.index_head_dim} is below the rope dimension "
+                   f"{cfg.qk_rope_head_dim}")
+    if cfg.num_attention_heads <= 0 or cfg.index_n_heads <= 0 or cfg.index_topk <= 0:
+        out.append("head counts and indexer top_k must be positive")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != cfg.vocab_size:
+        out.append(f"{a}vocab_size={cfg.vocab_size} but tokenizer.ggml.tokens holds {len(tokens)}")
+    for role in ("bos", "eos"):
+        i = getattr(cfg, f"{role}_token_id")
+        if i is not None and not 0 <= i < cfg.vocab_size:
+            out.append(f"tokenizer.ggml.{role}_token_id={i} is not a token id (vocabulary of {cfg.vocab_size})")
+    types = md.get(a + "attention.indexer.types")
+    if types is not None:
+        if len(types) < cfg.num_hidden_layers:
+            out.append(f"{a}attention.indexer.types has {len(types)} entries for {cfg.num_hidden_layers} layers")
+        elif not types[0]:
+            out.append(f"{a}attention.indexer.types: layer 0 is 'shared' but no earlier layer has an indexer")
+    return out
+
+
 def config_from_metadata(model) -> GlmMoeDsaConfig:
     """Build a ``GlmMoeDsaConfig`` from a :class:`~glm5serve.gguf_file.GGUFModel` (or a plain metadata dict).
 
@@ -28,80 +96,92 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     ``topk_method="noaux_tc"`` (it creates ``e_score_correction_bias`` only then), ``scoring_func``,
     ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
-    Raises GGUFModelError naming the file when the architecture is not ``glm-dsa`` or a required key is missing.
+    Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
+    key holds a value of the wrong type (naming the key and the type expected), or the keys contradict each other
+    or cannot be run (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``).
     """
     md, path = _md(model)
     arch = md.get("general.architecture")
     if arch != ARCH:
         raise GGUFModelError(f"architecture is {arch!r}, not {ARCH!r}: not a GLM-5 GGUF", file=path)
 
-    def req(key: str):
+    def req(key: str, kind=int):
         v = md.get(f"{ARCH}.{key}")
         if v is None:
             raise GGUFModelError(f"metadata key {ARCH}.{key} is missing", file=path)
-        return v
+        return metadata_value(f"{ARCH}.{key}", v, kind, path)
 
-    def opt(key: str, default):
+    def opt(key: str, default, kind=int):
         v = md.get(f"{ARCH}.{key}")
-        return default if v is None else v
+        return default if v is None else metadata_value(f"{ARCH}.{key}", v, kind, path)
 
-    n_blocks = int(req("block_count"))
-    n_mtp = int(opt("nextn_predict_layers", 0))
+    def token_id(role: str) -> int | None:
+        v = md.get(f"tokenizer.ggml.{role}_token_id")
+        return None if v is None else metadata_value(f"tokenizer.ggml.{role}_token_id", v, int, path)
+
+    n_blocks = req("block_count")
+    n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
-    rope_dim = int(req("rope.dimension_count"))
-    key_mla = int(req("attention.key_length_mla"))
-    gating = int(opt("expert_gating_func", GATING_SIGMOID))  # absent means sigmoid (llama.cpp glm-dsa loader)
+    rope_dim = req("rope.dimension_count")
+    key_mla = req("attention.key_length_mla")
+    gating = opt("expert_gating_func", GATING_SIGMOID)  # absent means sigmoid (llama.cpp glm-dsa loader)
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise GGUFModelError(f"{ARCH}.expert_gating_func={gating} is neither softmax (1) nor sigmoid (2)", file=path)
     tokens = md.get("tokenizer.ggml.tokens")
-    vocab = int(opt("vocab_size", len(tokens) if tokens is not None else 0))
+    vocab = opt("vocab_size", len(tokens) if tokens is not None else 0)
     if vocab <= 0:
         raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size", file=path)
     indexer_types = md.get(f"{ARCH}.attention.indexer.types")
     kwargs: dict[str, Any] = {}
     if indexer_types is not None:
+        if isinstance(indexer_types, (str, bytes)) or not hasattr(indexer_types, "__len__"):
+            raise GGUFModelError(f"metadata key {ARCH}.attention.indexer.types is {_short(indexer_types)}, "
+                                 "expected an array of booleans", file=path)
         # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); accept names too
         kwargs["indexer_types"] = [t if isinstance(t, str) else ("full" if t else "shared")
                                    for t in indexer_types][:n_layers]
 
-    eos = md.get("tokenizer.ggml.eos_token_id")
-    return GlmMoeDsaConfig(
+    cfg = GlmMoeDsaConfig(
         architectures=["GlmMoeDsaForCausalLM"],
         vocab_size=vocab,
-        hidden_size=int(req("embedding_length")),
-        intermediate_size=int(req("feed_forward_length")),
-        moe_intermediate_size=int(req("expert_feed_forward_length")),
+        hidden_size=req("embedding_length"),
+        intermediate_size=req("feed_forward_length"),
+        moe_intermediate_size=req("expert_feed_forward_length"),
         num_hidden_layers=n_layers,
         num_nextn_predict_layers=n_mtp,
-        num_attention_heads=int(req("attention.head_count")),
-        num_key_value_heads=int(req("attention.head_count")),
-        n_shared_experts=int(opt("expert_shared_count", 1)),
-        n_routed_experts=int(req("expert_count")),
-        num_experts_per_tok=int(req("expert_used_count")),
-        routed_scaling_factor=float(opt("expert_weights_scale", 1.0)),
-        norm_topk_prob=bool(opt("expert_weights_norm", True)),
-        n_group=int(opt("expert_group_count", 1)) or 1,
-        topk_group=int(opt("expert_group_used_count", 1)) or 1,
+        num_attention_heads=req("attention.head_count"),
+        num_key_value_heads=req("attention.head_count"),
+        n_shared_experts=opt("expert_shared_count", 1),
+        n_routed_experts=req("expert_count"),
+        num_experts_per_tok=req("expert_used_count"),
+        routed_scaling_factor=opt("expert_weights_scale", 1.0, float),
+        norm_topk_prob=opt("expert_weights_norm", True, bool),
+        n_group=opt("expert_group_count", 1) or 1,
+        topk_group=opt("expert_group_used_count", 1) or 1,
         scoring_func="sigmoid" if gating == GATING_SIGMOID else "softmax",
         topk_method="noaux_tc",
-        kv_lora_rank=int(req("attention.kv_lora_rank")),
-        q_lora_rank=int(req("attention.q_lora_rank")),
+        kv_lora_rank=req("attention.kv_lora_rank"),
+        q_lora_rank=req("attention.q_lora_rank"),
         qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=key_mla - rope_dim,
-        v_head_dim=int(req("attention.value_length_mla")),
-        max_position_embeddings=int(req("context_length")),
-        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(opt("rope.freq_base", 10000.0))},
+        v_head_dim=req("attention.value_length_mla"),
+        max_position_embeddings=req("context_length"),
+        rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),
+        rope_parameters={"rope_type": "default", "rope_theta": opt("rope.freq_base", 10000.0, float)},
         rope_interleave=True,
         indexer_rope_interleave=True,
-        index_topk=int(req("attention.indexer.top_k")),
-        index_head_dim=int(req("attention.indexer.key_length")),
-        index_n_heads=int(req("attention.indexer.head_count")),
-        first_k_dense_replace=int(opt("leading_dense_block_count", 0)),
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=None if eos is None else int(eos),
-        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+        index_topk=req("attention.indexer.top_k"),
+        index_head_dim=req("attention.indexer.key_length"),
+        index_n_heads=req("attention.indexer.head_count"),
+        first_k_dense_replace=opt("leading_dense_block_count", 0),
+        bos_token_id=token_id("bos"),
+        eos_token_id=token_id("eos"),
+        pad_token_id=token_id("padding"),
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
         **kwargs,
     )
+    problems = metadata_problems(md, cfg, path)
+    if problems:
+        raise GGUFModelError("; ".join(problems), file=path)
+    return cfg

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from glm5serve.config import metadata_value
 from glm5serve.gguf_file import GGUFModel
 
 
@@ -24,9 +25,9 @@ def summarize(model: GGUFModel) -> dict:
         n_by_type[t.qtype.name] = n_by_type.get(t.qtype.name, 0) + 1
     arch = model.metadata.get("general.architecture")
 
-    def key(k: str):
+    def key(k: str):  # a value of the wrong type: GGUFModelError naming the key and the type expected
         v = model.metadata.get(f"{arch}.{k}")
-        return None if v is None else int(v)
+        return None if v is None else metadata_value(f"{arch}.{k}", v, int, str(model.path))
 
     blocks, mtp = key("block_count"), key("nextn_predict_layers") or 0
     return {

@@ -228,3 +228,52 @@ def test_generate_names_a_foreign_architecture_first(bad, tiny_checkpoint, tmp_p
     _one_line(["generate", str(path), "--prompt", "Hi"], capsys, path.name, "architecture is 'llama', not 'glm-dsa'")
     gemma = gguf_rewrite(tiny_checkpoint, tmp_path / "gemma3.gguf", arch="gemma3")  # a GLM tokenizer, gemma3 arch
     _one_line(["generate", str(gemma), "--prompt", "Hi"], capsys, gemma.name, "architecture is 'gemma3', not 'glm-dsa'")
+
+
+def _with_key(src: Path, dst: Path, key: str, value, vtype) -> Path:
+    """Copy a single-file GGUF with metadata ``key`` stored as ``value`` of GGUF type ``vtype`` (any type)."""
+    from gguf import GGUFValueType
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, "glm-dsa")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k in ("general.architecture", key):
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY
+                        else None)
+    w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("key,value,expected", [("glm-dsa.block_count", "four", "an integer"),
+                                                ("glm-dsa.attention.layer_norm_rms_epsilon", "x", "a number")])
+def test_metadata_of_the_wrong_type_names_key_and_type(key, value, expected, tiny_checkpoint, tmp_path, capsys):
+    from gguf import GGUFValueType
+
+    path = _with_key(tiny_checkpoint, tmp_path / "wrong_type.gguf", key, value, GGUFValueType.STRING)
+    words = (path.name, key, repr(value), f"expected {expected}")
+    if key.endswith("block_count"):  # inspect reads the layer count
+        _one_line(["inspect", str(path)], capsys, *words)
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], capsys, *words)
+    _verify_fail(path, capsys, *words)
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("glm-dsa.expert_used_count", 99, "expert_used_count=99 not in 1..expert_count="),
+    ("glm-dsa.context_length", 0, "glm-dsa.context_length=0 is not positive"),
+    ("tokenizer.ggml.eos_token_id", "vocab", "tokenizer.ggml.eos_token_id="),
+    ("tokenizer.ggml.bos_token_id", "vocab", "tokenizer.ggml.bos_token_id="),
+])
+def test_metadata_no_engine_can_run_is_refused_by_every_command(key, value, words, tiny_checkpoint, tmp_path,
+                                                                gguf_rewrite, capsys):
+    vocab = len(GGUFModel(tiny_checkpoint).metadata["tokenizer.ggml.tokens"])
+    value = vocab if value == "vocab" else value  # the first id past the vocabulary
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "inconsistent.gguf", set_keys={key: value})
+    _verify_fail(path, capsys, path.name, words)
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], capsys, path.name, words)
