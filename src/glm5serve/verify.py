@@ -176,9 +176,14 @@ def _sample_rows(n_rows: int, n: int = SAMPLE_ROWS) -> np.ndarray:
 
 
 def check_finite(ctx: Context) -> list[Check]:
-    """Every tensor dequantizes to finite values: whole tensors up to FULL_CHECK_BYTES, else SAMPLE_ROWS rows."""
+    """Every tensor dequantizes to finite values: whole tensors up to FULL_CHECK_BYTES, else SAMPLE_ROWS rows.
+    Fails for a ``synthetic-gguf`` header: its data section is a hole that reads as zeros, not weights."""
     from glm5serve.dequant import dequantize
+    from glm5serve.synthetic import LOAD_FORMAT, is_synthetic
 
+    if is_synthetic(ctx.model):
+        return [_fail("finite", f"synthetic header without tensor data (serve it with --load-format {LOAD_FORMAT})",
+                      file=str(ctx.model.path))]
     sampled = 0
     for t in ctx.model:
         if t.qtype not in schema.SUPPORTED_TYPES:

@@ -277,3 +277,12 @@ def test_metadata_no_engine_can_run_is_refused_by_every_command(key, value, word
     path = gguf_rewrite(tiny_checkpoint, tmp_path / "inconsistent.gguf", set_keys={key: value})
     _verify_fail(path, capsys, path.name, words)
     _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], capsys, path.name, words)
+
+
+def test_verify_does_not_pass_a_synthetic_header_as_finite(tmp_path, capsys):
+    from glm5serve.synthetic import write_header
+
+    path = write_header(tmp_path / "header.gguf", "tiny")  # its data section is a hole: it reads as zeros
+    line = _verify_fail(path, capsys, path.name,
+                        "synthetic header without tensor data (serve it with --load-format glm5-synthetic)")
+    assert line.split()[1] == "finite", line
