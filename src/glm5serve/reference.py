@@ -189,7 +189,8 @@ class ReferenceModel:
         ``experts.gate_up_proj``), then cast to ``dtype`` on ``device`` (router and indexer head weights: at least
         fp32).
         The MTP block is checked likewise and then ignored, as llama.cpp's glm-dsa graph does. ``options`` go to
-        the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input.
+        the constructor. Raises GGUFModelError (one line naming file and tensor) for any bad input, a weight that
+        dequantizes to NaN or Inf included.
 
         ``num_layers`` (1 ≤ n ≤ ``num_hidden_layers``): every tensor is still checked, but only ``token_embd`` and
         blocks ``0..n-1`` are dequantized, so the first layers of the 744B model fit one GPU (GLM-5: ~3.8 GB of
@@ -229,6 +230,10 @@ class ReferenceModel:
             if num_layers is not None and not _in_first_layers(hf_name, num_layers):
                 continue
             ts = [dequantize_tensor(gguf[p], dtype=torch.float32) for p in parts]
+            for p, t in zip(parts, ts):  # a NaN/Inf weight (e.g. a NaN fp16 block scale) would make garbage text
+                if not bool(t.isfinite().all()):
+                    raise GGUFModelError("non-finite values after dequantization (NaN/Inf)", file=gguf[p].file,
+                                         tensor=p)
             if hf_name.endswith("kv_b_proj.weight"):
                 w = merge_kv_b(*ts)
             elif hf_name.endswith("experts.gate_up_proj"):

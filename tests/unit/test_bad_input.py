@@ -286,3 +286,29 @@ def test_verify_does_not_pass_a_synthetic_header_as_finite(tmp_path, capsys):
     line = _verify_fail(path, capsys, path.name,
                         "synthetic header without tensor data (serve it with --load-format glm5-synthetic)")
     assert line.split()[1] == "finite", line
+
+
+@pytest.fixture(scope="module")
+def non_finite(bad, tiny_checkpoint, tmp_path_factory, gguf_rewrite) -> dict[str, tuple[Path, str]]:
+    """name -> (model whose one weight dequantizes to NaN/Inf, that tensor)."""
+    d = tmp_path_factory.mktemp("non_finite")
+    m = GGUFModel(tiny_checkpoint)
+    norm = m["output_norm.weight"]
+    gate = next(t for t in m if t.name.endswith("ffn_gate_inp.weight"))  # the first MoE layer's router
+    assert norm.qtype == gate.qtype == Q.F32
+    nan_scale, tensor, _ = bad["NaN scale"]
+    return {
+        "NaN block scale": (nan_scale, tensor),
+        "NaN output_norm": (gguf_rewrite(tiny_checkpoint, d / "nan_norm.gguf", replace={norm.name: (
+            np.full(norm.shape, np.nan, np.float32), Q.F32)}), norm.name),
+        "inf router": (gguf_rewrite(tiny_checkpoint, d / "inf_gate.gguf", replace={gate.name: (
+            np.full(gate.shape, np.inf, np.float32), Q.F32)}), gate.name),
+    }
+
+
+@pytest.mark.parametrize("case", ["NaN block scale", "NaN output_norm", "inf router"])
+def test_generate_refuses_weights_that_dequantize_to_nan_or_inf(case, non_finite, capsys):
+    path, tensor = non_finite[case]
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "2"], capsys, path.name, tensor,
+              "non-finite values after dequantization (NaN/Inf)")
+    _verify_fail(path, capsys, path.name, tensor, "non-finite")
