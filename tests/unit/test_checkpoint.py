@@ -35,8 +35,10 @@ def test_bad_arguments(tmp_path):
         make_checkpoint(tmp_path, "huge")
     with pytest.raises(ValueError, match="unknown mix"):
         make_checkpoint(tmp_path, "tiny", "q2_k")
-    with pytest.raises(ValueError, match="cannot split"):
+    with pytest.raises(ValueError, match="--split must be >= 1"):
         make_checkpoint(tmp_path, "tiny", "bf16", split=0)
+    with pytest.raises(ValueError, match="cannot split .* into 200 files"):
+        make_checkpoint(tmp_path, "tiny", "bf16", split=200)
 
 
 def test_metadata_is_what_the_converter_writes(tiny_bf16_checkpoint):
