@@ -76,14 +76,6 @@ def _need_gpus(n: int) -> None:
 
 
 @pytest.fixture(scope="session")
-def results_dir(tmp_path_factory) -> Path:
-    d = os.environ.get("GLM5SERVE_GPU_RESULTS")
-    p = Path(d) if d else tmp_path_factory.mktemp("gpu-results")
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-@pytest.fixture(scope="session")
 def slice_header(tmp_path_factory) -> Path:
     _need_gpus(1)
     from glm5serve.synthetic import write_header

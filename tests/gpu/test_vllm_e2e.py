@@ -47,14 +47,6 @@ def _need_gpus(n: int) -> None:
 
 
 @pytest.fixture(scope="session")
-def results_dir(tmp_path_factory) -> Path:
-    d = os.environ.get("GLM5SERVE_GPU_RESULTS")
-    p = Path(d) if d else tmp_path_factory.mktemp("gpu-results")
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-@pytest.fixture(scope="session")
 def narrow() -> Path:
     _need_gpus(1)
     if p := os.environ.get("GLM5SERVE_NARROW"):
