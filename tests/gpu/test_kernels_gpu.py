@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES
 from glm5serve.kernels.testing import dequant, random_qweight, random_qweight_torch, reference_linear, reference_moe
+from glm5serve.testing.gpu_timing import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -134,19 +135,6 @@ def test_moe_matches_reference(case):
     _assert_close(y, ref, bound, 2.0 ** -14, f"{q13.name}/{q2.name} E={E} T={T} k={k}")
 
 
-def _capture(fn):
-    """Warm up on a side stream, then capture fn() in a CUDA graph; returns (graph, static output)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 @pytest.mark.parametrize("cfg", (GemvConfig(split_k=1), GemvConfig(split_k=4), None), ids=("plain", "split", "auto"))
 def test_gemv_cuda_graph_replay(cfg):
     """Replays compute on the inputs present at replay time, bit-identical to eager calls (split-K reduces in a
@@ -154,7 +142,7 @@ def test_gemv_cuda_graph_replay(cfg):
     qtype, M, N, K = Q.Q4_K, 4, 2048, 6144
     x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=7)
     static_x = x.clone()
-    g, out = _capture(lambda: gguf_linear(static_x, w, qtype, N, cfg))
+    g, out = capture(lambda: gguf_linear(static_x, w, qtype, N, cfg))
     for seed in (1, 2):
         fresh = torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEV)
         static_x.copy_(fresh)
@@ -189,7 +177,7 @@ def test_moe_cuda_graph_replay():
     x = torch.randn(T, H, device=DEV).bfloat16()
     ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
     wts = torch.rand(T, k, device=DEV)
-    g, out = _capture(lambda: gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
+    g, out = capture(lambda: gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32))

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 
 from glm5serve.mla.testing import batch_params, fa3_sparse, flashmla_sparse, make_batch, padded_query
 from glm5serve.mla.triton_mla import mla_decode, mla_prefill, mla_reference
+from glm5serve.testing.gpu_timing import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -122,14 +123,7 @@ def test_cuda_graph_replay_matches_eager():
     q_nope, q_pe, topk = b.q_nope.clone(), b.q_pe.clone(), b.topk.clone()
     run = lambda: mla_decode(q_nope, q_pe, b.kv_cache, b.scale, block_table=b.block_table, req_ids=b.req_ids,  # noqa
                              topk_indices=topk, workspace=scratch)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = run()
+    graph, (out, lse) = capture(run)
     q_nope.copy_(b2.q_nope), q_pe.copy_(b2.q_pe), topk.copy_(b2.topk)  # same cache, new queries and lists
     graph.replay()
     eager = mla_decode(b2.q_nope, b2.q_pe, b.kv_cache, b.scale, block_table=b.block_table, req_ids=b.req_ids,

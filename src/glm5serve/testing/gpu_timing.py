@@ -1,10 +1,25 @@
-"""Timing GPU work for the benchmarks (``tests/gpu/test_bench_*.py``): calls captured back to back in one CUDA graph,
-so launch overhead does not hide kernel time, and the device's copy bandwidth measured in the same run."""
+"""CUDA graphs for the GPU tests: :func:`capture` (warm up, then capture one call), and for the benchmarks
+(``tests/gpu/test_bench_*.py``) calls timed back to back in one graph, so launch overhead does not hide kernel time,
+and the device's copy bandwidth measured in the same run."""
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def capture(fn):
+    """Run ``fn()`` once on a side stream (Triton JIT, allocator), then capture it in a CUDA graph.
+    Returns (graph, the static output of the captured call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def graph_us(fns, calls: int = 48, replays: int = 15) -> tuple[float, torch.cuda.CUDAGraph]:
