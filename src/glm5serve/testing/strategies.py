@@ -203,3 +203,20 @@ def batch_compositions(draw, *, max_requests: int = 4, max_seq_len: int = 48, ma
     seq_lens = [draw(st.integers(1, max_seq_len)) for _ in range(n)]
     q_lens = [draw(st.integers(1, min(s, max_query_len))) for s in seq_lens]
     return seq_lens, q_lens, draw(st.integers(0, max_pad))
+
+
+@st.composite
+def engine_batches(draw, vocab_ids, *, max_requests: int = 24, max_prompt_len: int = 700,
+                   max_new_tokens: int = 12) -> tuple[list[list[int]], list[int]]:
+    """``(prompts, max_tokens)``: one batch for a live engine's ``LLM.generate``, 1..``max_requests`` requests,
+    request b a prompt of 1..``max_prompt_len`` token ids taken from ``vocab_ids`` asking for ``max_tokens[b]`` in
+    1..``max_new_tokens`` greedy tokens -- so the running batch shrinks as requests finish and a CUDA-graph engine
+    pads its decode steps to several captured sizes. Counts and lengths are drawn (and shrink); the ids come from a
+    drawn seed, which keeps Hypothesis' buffer small for batches of thousands of tokens.
+    """
+    n = draw(st.integers(1, max_requests))
+    lens = [draw(st.integers(1, max_prompt_len)) for _ in range(n)]
+    max_tokens = [draw(st.integers(1, max_new_tokens)) for _ in range(n)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    vocab = np.asarray(vocab_ids, dtype=np.int64)
+    return [vocab[rng.integers(0, len(vocab), size=L)].tolist() for L in lens], max_tokens
