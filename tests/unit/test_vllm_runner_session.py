@@ -59,8 +59,8 @@ def test_serve_one_generate_call_per_request_with_per_prompt_params():
     assert prompts == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [7]}, {"prompt_token_ids": [4, 4]}]
     assert [p["max_tokens"] for p in params] == [1, 5, 2] and not use_tqdm
     assert all(p["temperature"] == 0.0 and p["logprobs"] == 3 and p["ignore_eos"] for p in params)
-    assert replies == [{"outputs": [expected_record([1, 2, 3], 1), expected_record([7], 5), expected_record([4, 4], 2)]},
-                       {"outputs": [expected_record([9] * 30, 3)]}]
+    first = [expected_record([1, 2, 3], 1), expected_record([7], 5), expected_record([4, 4], 2)]
+    assert replies == [{"outputs": first}, {"outputs": [expected_record([9] * 30, 3)]}]
 
 
 def test_serve_builds_real_vllm_sampling_params():

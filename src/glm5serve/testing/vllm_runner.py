@@ -363,7 +363,8 @@ class EngineSession:
         self.ready()
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(prompts)
-        line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts], "max_tokens": [int(n) for n in max_tokens]})
+        line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts],
+                           "max_tokens": [int(n) for n in max_tokens]})
         try:
             self._proc.stdin.write(line + "\n")
             self._proc.stdin.flush()
