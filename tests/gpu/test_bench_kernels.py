@@ -52,6 +52,12 @@ SHAPES = {  # name: (N, K, layout)
 GEMV_CASES = ([(Q.Q4_K, s) for s in SHAPES]
               + [(q, "expert gate/up") for q in (Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0)]
               + [(q, "expert down") for q in (Q.Q5_K, Q.Q6_K)] + [(Q.Q6_K, "lm_head/8")])
+#: past decode's 16 rows (issue 8's follow-up: concurrency 64-256 ran the plugin's kernels): tensor-core tiles of
+#: up to 64 rows per dequantized weight tile, and the MoE grouped by expert
+LARGE_BATCHES = (64, 256)
+LARGE_GEMV_CASES = [(Q.Q4_K, "q_a"), (Q.Q4_K, "o_proj/8"), (Q.Q6_K, "lm_head/8"), (Q.Q5_K, "expert gate+up/8")]
+GEMV_PARAMS = ([(q, s, m) for q, s in GEMV_CASES for m in BATCHES]
+               + [(q, s, m) for q, s in LARGE_GEMV_CASES for m in LARGE_BATCHES])
 MOE_LAYOUTS = {"EP": 2048, "TP8": 256}  # intermediate size per expert on one GPU
 MOE_E, MOE_H, MOE_TOPK = 256, 6144, 8
 
@@ -113,8 +119,7 @@ def _try_time(make_fns):
         return None, f"{type(e).__name__}: {e}"[:160]
 
 
-@pytest.mark.parametrize("M", BATCHES)
-@pytest.mark.parametrize("qtype,shape", GEMV_CASES, ids=[f"{q.name}-{s}" for q, s in GEMV_CASES])
+@pytest.mark.parametrize("qtype,shape,M", GEMV_PARAMS, ids=[f"{q.name}-{s}-{m}" for q, s, m in GEMV_PARAMS])
 def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
     from glm5serve.dequant import dequantize
 
@@ -151,10 +156,11 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("T", BATCHES)
+@pytest.mark.parametrize("T", BATCHES + LARGE_BATCHES)
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_bench_moe(benchmark, results, copy_bw, layout, T):
-    """GLM-5's routed experts (256, top-8, Q4_K) on one GPU: whole experts (EP) or TP=8 slices."""
+    """GLM-5's routed experts (256, top-8, Q4_K) on one GPU: whole experts (EP) or TP=8 slices; T <= 16 runs the
+    per-(token, expert) kernels, larger T the grouped-by-expert ones."""
     inter = MOE_LAYOUTS[layout]
     q = Q.Q4_K
     gen = torch.Generator(DEV).manual_seed(T + inter)
@@ -222,7 +228,8 @@ def _write_report(rows: list[dict], copy_bw: float) -> None:
     gemv = [r for r in rows if r["kind"] == "gemv"]
     big = [r for r in gemv if r["batch"] == 1 and r["weight_MB"] >= 8]
     small_batch = [r for r in gemv if r["batch"] <= 4]
-    vs_plugin = [r for r in rows if r["x_plugin"]]
+    vs_plugin = [r for r in rows if r["x_plugin"] and r["batch"] <= 16]
+    large = [r for r in rows if r["x_plugin"] and r["batch"] > 16]
     lines += ["", "Targets (issue 8):",
               f"- >= 50 % of copy bandwidth at batch 1 for weights >= 8 MB: "
               f"{sum(r['copy_fraction'] >= 0.5 for r in big)}/{len(big)} "
@@ -231,6 +238,9 @@ def _write_report(rows: list[dict], copy_bw: float) -> None:
               f"{len(small_batch)} (min {min((r['x_cublas'] for r in small_batch), default=0):.2f}x)",
               f"- >= 10x the plugin's kernels: {sum(r['x_plugin'] >= 10 for r in vs_plugin)}/{len(vs_plugin)} "
               f"(min {min((r['x_plugin'] for r in vs_plugin), default=0):.1f}x)",
+              f"- past decode (batch {'/'.join(map(str, LARGE_BATCHES))}), faster than the plugin: "
+              f"{sum(r['x_plugin'] > 1 for r in large)}/{len(large)} "
+              f"(min {min((r['x_plugin'] for r in large), default=0):.2f}x)",
               "", "Plugin backend / errors: " + "; ".join(sorted({str(r['plugin']) for r in rows}))]
     text = "\n".join(lines)
     print("\n" + text)

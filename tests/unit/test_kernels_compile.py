@@ -122,3 +122,44 @@ def test_moe_kernels_compile_for_sm90(qtype):
     for k in (up, down):
         usage = _sass(k)[1]
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+
+
+@pytest.mark.parametrize("qtype", sorted(BUDGET), ids=lambda q: g._NAMES[q])
+def test_gemm_tiles_past_decode_compile_without_spills(qtype):
+    """The 17..MAX_GEMM_M row tiles (block_m 64, as pick_config chooses for a 256-request decode batch)."""
+    cfg = g.pick_config(qtype, 256, 2048, 6144, 132)
+    assert cfg.use_dot and cfg.block_m == 64
+    G, T = g.tile_shape(qtype, cfg.kbs)
+    sig = dict(x_ptr="*bf16", w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", y_ptr="*bf16", part_ptr="*fp32",
+               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_xm="i32",
+               stride_wn="i32", stride_ym="i32")
+    const = dict(QTYPE=qtype, BLOCK_M=64, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T, USE_DOT=True,
+                 SPLIT_K=cfg.split_k)
+    sass, usage = _sass(_compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "stride_xm", "stride_wn",
+                                                              "stride_ym"), cfg.num_warps))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert "HMMA" in sass or "HGMMA" in sass
+
+
+@pytest.mark.parametrize("q13,q2", ((g.Q4_K, g.Q6_K), (g.Q5_K, g.Q8_0), (g.Q6_K, g.Q5_K), (g.Q4_0, g.Q5_0)),
+                         ids=lambda q: g._NAMES[q])
+def test_grouped_moe_kernels_compile_without_spills(q13, q2):
+    def wt(q):
+        return "*i32" if q in g._WORD_TYPES else "*u8"
+
+    up = _compile(gm._grouped_gate_up_kernel,
+                  dict(x_ptr="*bf16", w_ptr=wt(q13), sorted_ptr="*i32", gexp_ptr="*i32", h_ptr="*bf16", inter="i32",
+                       nb="i32", topk="i32", n_pairs="i32", stride_xm="i32", stride_we="i32", stride_wn="i32",
+                       stride_hm="i32"),
+                  dict(QTYPE=q13, BLOCK_M=gm.GROUP_M, **dict(zip(("BLOCK_N", "KBS"), gm.grouped_tile(q13, True)))),
+                  ("x_ptr", "w_ptr", "h_ptr", "sorted_ptr"), gm.GROUPED_WARPS)
+    down = _compile(gm._grouped_down_kernel,
+                    dict(h_ptr="*bf16", w_ptr=wt(q2), sorted_ptr="*i32", gexp_ptr="*i32", wts_ptr="*fp32",
+                         out_ptr="*fp32", hidden="i32", nb="i32", n_pairs="i32", stride_hm="i32", stride_we="i32",
+                         stride_wn="i32", stride_om="i32"),
+                    dict(QTYPE=q2, BLOCK_M=gm.GROUP_M, **dict(zip(("BLOCK_N", "KBS"), gm.grouped_tile(q2, False)))),
+                    ("h_ptr", "w_ptr", "out_ptr", "sorted_ptr"), gm.GROUPED_WARPS)
+    for k in (up, down):
+        sass, usage = _sass(k)
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+        assert "HMMA" in sass or "HGMMA" in sass

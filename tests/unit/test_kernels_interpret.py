@@ -37,6 +37,7 @@ else:
     from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config, supports, supports_moe
     from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _counters
     from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
+    from glm5serve.quantize import quantize
 
     from glm5serve.testing.triton_interpret import patch_bf16_dot
 
@@ -128,6 +129,43 @@ else:
         ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
         _check(y, ref, bound, rel_sum=2.0 ** -18, what="moe")
 
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
+    def test_gemm_past_decode_rows(qtype):
+        """M = 40 (17..MAX_GEMM_M: tensor-core tiles of block_m = 64 rows, one partial) and M = 20 with block_m 32
+        and split-K: decode batches past 16 requests."""
+        for M, cfg in ((40, None), (20, GemvConfig(block_n=32, kbs=1, split_k=2, use_dot=True, block_m=32))):
+            x, w, ref, bound = _case(qtype, M=M, N=33, K=_k(qtype, 2), seed=40 + M + int(qtype),
+                                     dtype=torch.bfloat16)
+            if cfg is None:
+                assert pick_config(qtype, M, 33, x.shape[1]).block_m == 64
+            _check(gguf_linear(x, w, qtype, 33, cfg), ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -7,
+                   what=f"M={M}")
+
+    @pytest.mark.parametrize("q13,q2", [(Q.Q4_K, Q.Q6_K), (Q.Q5_0, Q.Q8_0)], ids=lambda q: q.name)
+    def test_moe_grouped_by_expert(q13, q2):
+        """20 tokens (past the per-pair path), top-3 of 5 experts with repeats, negative ids and one expert nobody
+        picks: the grouped kernels against the float64 reference, bf16 activations (h is rounded to bf16).
+        Weights and activations are positive, so no sum cancels and the error budget (a few bf16 ulps of the
+        output) is sharp: a wrong expert, token, slot weight or gate/up order is far outside it."""
+        rng = np.random.default_rng(int(q13) * 16 + int(q2) + 1)
+        E, T, k, H, inter = 5, 20, 3, _k(q13, 1), _k(q2, 1)
+
+        def positive(qtype, rows, cols, hi=0.02):
+            return quantize(rng.uniform(hi / 10, hi, (rows, cols)).astype(np.float32), qtype)
+
+        # gate rows small (silu far from linear there), up rows large: swapping gate and up shows; expert e's down
+        # weights scaled by e + 1: a wrong expert shows
+        w13 = np.stack([np.concatenate([positive(q13, inter, H, 0.002), positive(q13, inter, H)]) for _ in range(E)])
+        w2 = np.stack([positive(q2, H, inter, 0.01 * (e + 1)) for e in range(E)])
+        x = torch.from_numpy(rng.uniform(0.1, 1, (T, H)).astype(np.float32)).to(torch.bfloat16)
+        ids = torch.from_numpy(rng.choice([0, 1, 2, 4, -1], size=(T, k), p=[.3, .3, .2, .15, .05])).to(torch.int32)
+        wts = torch.from_numpy(rng.uniform(0.1, 1, (T, k)).astype(np.float32))
+        assert supports_moe(q13, q2, T, H, inter)
+        y = gguf_moe(x, torch.from_numpy(w13), torch.from_numpy(w2), wts, ids, q13, q2)
+        assert y.dtype == torch.bfloat16 and y.shape == (T, H)
+        ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
+        _check(y, ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -6, what="grouped moe")
+
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)
         with pytest.raises(ValueError, match="unsupported GGML type"):
@@ -142,7 +180,8 @@ else:
 
     def test_supports():
         assert supports(Q.Q4_K, 1, 2048, 6144) and supports(Q.Q8_0, 16, 7, 32)
-        assert not supports(Q.Q4_K, 17, 2048, 6144)  # prefill: the plugin's MMQ kernels
+        assert supports(Q.Q4_K, 256, 2048, 6144) and not supports(Q.Q4_K, 257, 2048, 6144)  # prefill: the plugin's
         assert not supports(Q.Q4_K, 1, 2048, 6144 + 32)  # not whole super-blocks
         assert not supports(Q.IQ4_XS, 1, 2048, 6144) and not supports(Q.F16, 1, 8, 8)
-        assert supports_moe(Q.Q4_K, Q.Q6_K, 16, 6144, 2048) and not supports_moe(Q.Q4_K, Q.Q2_K, 1, 6144, 2048)
+        assert supports_moe(Q.Q4_K, Q.Q6_K, 256, 6144, 2048) and not supports_moe(Q.Q4_K, Q.Q2_K, 1, 6144, 2048)
+        assert not supports_moe(Q.Q4_K, Q.Q6_K, 257, 6144, 2048)

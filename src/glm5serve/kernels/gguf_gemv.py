@@ -1,4 +1,4 @@
-"""Triton GEMV for GGUF-quantized weights: y = x @ dequant(W).T for decode batches (M = 1..16).
+"""Triton GEMV for GGUF-quantized weights: y = x @ dequant(W).T for decode batches (M = 1..256).
 
 The weight stays the raw GGUF byte tensor, ``(N, row_bytes)`` uint8, as vllm-gguf-plugin stores ``qweight``;
 each program dequantizes a tile of ``BLOCK_N`` rows in registers and multiplies it with the activations.
@@ -21,7 +21,8 @@ bound by its instruction count before it reaches that bandwidth):
   so the activations are read as contiguous vectors, once per ``BLOCK_N`` rows.
 - For one activation row the products run on the FMA units (one FMA per weight into per-weight accumulators,
   reduced after the K loop); for 2..16 rows the dequantized tile goes to ``tl.dot`` (tensor cores) with x
-  padded to 16 rows.
+  padded to 16 rows, for 17..256 rows to ``tl.dot`` with 32 or 64 rows per program (the tile is dequantized
+  once per 64 rows, which past decode batches costs less than re-reading the weight).
 
 ``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
 instruction count per weight in the K loop within a budget (~6-8 for Q4_K: the H200 issues enough instructions
@@ -47,7 +48,8 @@ SUPPORTED_QTYPES = frozenset(BLOCK_SIZES)
 _NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
 _WORD_TYPES = frozenset({Q4_K, Q5_K})
-MAX_FAST_M = 16
+MAX_FAST_M = 16   # per-row decode kernels (GEMV FMA path, per-(token, expert) MoE)
+MAX_GEMM_M = 256  # tensor-core path with weight tiles dequantized once per block_m rows; beyond: the plugin's
 
 _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 
@@ -56,13 +58,15 @@ _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 class GemvConfig:
     """Launch parameters: ``block_n`` rows per program, ``kbs`` quant blocks per row and loop step,
     ``split_k`` programs along K (fp32 partials; the last program of a tile sums them), ``use_dot`` for the
-    tensor cores with x padded to 16 rows (ignored where the MMA cannot run: fp32 activations,
-    ``block_n < 16``); without it each program takes one activation row."""
+    tensor cores with x padded to ``block_m`` rows (ignored where the MMA cannot run: fp32 activations,
+    ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
+    rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
     num_warps: int = 4
     use_dot: bool = False
+    block_m: int = 16
 
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
@@ -117,20 +121,20 @@ def _weights(bits, a, b, P: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask,
+def _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask,
                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += x[:, kidx] (*) w.  w: [BN, G, T] fp32 weights; kidx/kmask: [G, T] column of each weight.
 
-    FMA path (one activation row): acc is [BN, G, T] fp32, one FMA per weight, reduced after the K loop.
-    Dot path: acc is [BLOCK_M, BN]; x rows beyond m_rows read as zeros.
+    FMA path (one activation row at x_ptr): acc is [BN, G, T] fp32, one FMA per weight, reduced after the K loop;
+    xoff/xmask are unused.  Dot path: acc is [BLOCK_M, BN]; activation row m starts at x_ptr + xoff[m] (int64
+    element offsets, so rows may be gathered, as the grouped MoE does), rows with xmask[m] False read as zeros.
     """
     if USE_DOT:
         BN: tl.constexpr = w.shape[0]
         GT: tl.constexpr = w.shape[1] * w.shape[2]
-        m = tl.arange(0, BLOCK_M)
         k2 = tl.reshape(kidx, [GT])
         km2 = tl.reshape(kmask, [GT])
-        xs = tl.load(x_ptr + m[:, None] * stride_xm + k2[None, :], mask=(m < m_rows)[:, None] & km2[None, :],
+        xs = tl.load(x_ptr + xoff[:, None] + k2[None, :], mask=xmask[:, None] & km2[None, :],
                      other=0.0, eviction_policy="evict_last")
         wd = tl.reshape(w, [BN, GT]).to(xs.dtype)
         acc = tl.dot(xs, tl.trans(wd), acc)
@@ -172,7 +176,7 @@ def _kquant_code(q, qh, BYTE: tl.constexpr, HI: tl.constexpr, P: tl.constexpr, F
 
 
 @triton.jit
-def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
                    FIVE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Q4_K (FIVE=False, 36 words/block) or Q5_K (FIVE=True, 44 words/block), KBS super-blocks per row.
 
@@ -215,12 +219,12 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale
                        tl.join(_kquant_code(q, qh, 1, hi, P, FIVE), _kquant_code(q, qh, 3, hi, P, FIVE)))
         bits = tl.reshape(bits, [q.shape[0], q.shape[1], 32])
         w = _weights(bits | one, d * sc, -(dmin * mn), P)
-        acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kbase + 32 * hi, kmask, BLOCK_M, USE_DOT)
+        acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kbase + 32 * hi, kmask, BLOCK_M, USE_DOT)
     return acc
 
 
 @triton.jit
-def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
                KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Q6_K, 210 bytes: ql[128] qh[64] scales[16] (int8) d (fp16).  Element 128h + 32c + i (i < 32) has its low
     nibble in ql[64h + 32(c%2) + i] (nibble c//2), its two high bits at bits 2c of qh[32h + i], and scale
@@ -248,12 +252,12 @@ def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
                 bits = ((ql << (17 - 4 * nib)) & (0xF << 17)) | ((qh << (21 - 2 * (2 * nib + half))) & (0x3 << 21))
                 w = _weights(bits | one, a, -32.0 * a, 17)
                 kidx = (kb * 256 + h * 128)[:, None] + (32 * (2 * nib + half) + 16 * i1) + i0[None, :]
-                acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+                acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
 
 
 @triton.jit
-def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
                KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Q8_0, 34 bytes: d (fp16), qs[32] int8; weight = d * q."""
     g = tl.arange(0, KBS)
@@ -271,11 +275,11 @@ def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
     w = _weights(bits, d, -128.0 * d, 15)
     kidx = (kb * 32)[:, None] + i[None, :]
     kmask = tl.broadcast_to(bmask[:, None], [KBS, 32])
-    return _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+    return _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
 
 
 @triton.jit
-def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
                 FIVE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Q4_0 (18 bytes: d, qs[16]) or Q5_0 (22 bytes: d, qh u32, qs[16]).  Element 16hi + l is nibble hi of
     qs[l] (Q5_0: plus bit 16hi+l of qh as bit 4); weight = d * (u - 8) (Q5_0: d * (u - 16))."""
@@ -306,29 +310,29 @@ def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
         else:
             w = _weights(bits | one, d, -8.0 * d, P)
         kidx = (kb * 32)[:, None] + 16 * hi + l[None, :]
-        acc = _accumulate(acc, w, x_ptr, stride_xm, m_rows, xscale, kidx, kmask, BLOCK_M, USE_DOT)
+        acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
 
 
 @triton.jit
-def _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale,
+def _step(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
           QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """One K step (KBS quant blocks of BLOCK_N rows) of any supported type."""
     if QTYPE == 12:
-        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, False, KBS, BLOCK_M,
+        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, False, KBS, BLOCK_M,
                              USE_DOT)
     elif QTYPE == 13:
-        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, True, KBS, BLOCK_M,
+        acc = _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, True, KBS, BLOCK_M,
                              USE_DOT)
     elif QTYPE == 14:
-        acc = _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, KBS, BLOCK_M, USE_DOT)
+        acc = _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, KBS, BLOCK_M, USE_DOT)
     elif QTYPE == 8:
-        acc = _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, KBS, BLOCK_M, USE_DOT)
+        acc = _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, KBS, BLOCK_M, USE_DOT)
     elif QTYPE == 2:
-        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, False, KBS, BLOCK_M,
+        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, False, KBS, BLOCK_M,
                           USE_DOT)
     else:
-        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, True, KBS, BLOCK_M,
+        acc = _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, True, KBS, BLOCK_M,
                           USE_DOT)
     return acc
 
@@ -352,11 +356,11 @@ def _reduce_acc(acc, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, stride_xm, m_rows, xscale,
+def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, xoff, xmask, xscale,
               QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """Accumulate blocks [blk_begin, blk_end) of BLOCK_N rows against BLOCK_M activation rows."""
     for b0 in range(blk_begin, blk_end, KBS):
-        acc = _step(acc, row_ptr, rmask, b0, nb, x_ptr, stride_xm, m_rows, xscale, QTYPE, KBS, BLOCK_M, USE_DOT)
+        acc = _step(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, QTYPE, KBS, BLOCK_M, USE_DOT)
     return acc
 
 
@@ -377,8 +381,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
     acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
-    acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm, stride_xm,
-                    M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT)
+    mi = tl.arange(0, BLOCK_M)
+    acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm,
+                    mi.to(tl.int64) * stride_xm, mi < M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT)
     y = _reduce_acc(acc, USE_DOT)
     m = m0 + tl.arange(0, BLOCK_M)
     ymask = (m < M)[:, None] & rmask[None, :]
@@ -489,18 +494,21 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))
-    m_tiles = triton.cdiv(M, 16) if use_dot else M
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    m_tiles = triton.cdiv(M, block_m) if use_dot else M
     programs = triton.cdiv(N, block_n) * m_tiles
     steps = triton.cdiv(nb, kbs)
     split = max(1, min(steps, triton.cdiv(4 * sms, programs)))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
-    return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4, use_dot=use_dot)
+    return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4 if block_m <= 32 else 8,
+                      use_dot=use_dot, block_m=block_m if use_dot else 16)
 
 
 def supports(qtype: int, M: int, N: int, K: int) -> bool:
-    """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= 16, K whole blocks."""
+    """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= MAX_GEMM_M (decode batches up
+    to 256 requests; longer prefills stay with the plugin's kernels), K whole blocks."""
     qtype = int(qtype)
-    return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_FAST_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
+    return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim: int = 0) -> int:
@@ -533,7 +541,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     """y = x @ dequantize(qweight)[:N].T for a GGUF-quantized weight.
 
     Args:
-        x: (M, K) bf16/fp16 (fp32 accepted) activations, any M (fast for M <= 16, see ``supports``).
+        x: (M, K) bf16/fp16 (fp32 accepted) activations, any M (meant for M <= MAX_GEMM_M, see ``supports``).
         qweight: (>= N, >= row_bytes) uint8 raw GGUF rows, ``row_bytes = K / block_elems * block_bytes``;
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
@@ -559,7 +567,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
-    block_m = 16 if use_dot else 1
+    block_m = config.block_m if use_dot else 1
     w = _as_words(qweight, qtype)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), config.kbs) * config.kbs
     split = triton.cdiv(nb, blocks_per_split)

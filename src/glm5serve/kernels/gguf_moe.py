@@ -1,6 +1,6 @@
 """Triton top-k MoE for GGUF-quantized experts at decode batch sizes (no per-expert Python loop).
 
-Two launches:
+Up to 16 tokens (``MAX_FAST_M``), two launches, one program per (token, slot):
 1. gate+up: one program per (token, slot, BLOCK_N rows of the intermediate) reads expert ``topk_ids[t, s]``'s
    gate and up rows from the 3-D byte tensor ``w13`` (E, 2I, row_bytes) -- gate rows 0..I-1, up rows I..2I-1,
    vLLM's ``w13`` order -- and writes h = silu(gate) * up in fp32.
@@ -9,6 +9,13 @@ Two launches:
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
 (from L2 when concurrent); for decode batches (<= 16 tokens) that costs less than sorting tokens by expert.
+
+From 17 to ``MAX_GEMM_M`` tokens, grouped by expert (the layout of vLLM's ``fused_moe`` with
+``moe_align_block_size``, built here from torch ops so it needs no host synchronisation and no vLLM op):
+the (token, slot) pairs are sorted by expert and each expert's run padded to ``GROUP_M`` rows; one program per
+(group, rows) dequantizes its expert's weight tile once and multiplies it with the group's gathered
+activation rows on the tensor cores.  gate+up writes h = silu(gate) * up in x's dtype, down writes each pair's
+routing-weighted output in fp32, and the k slots of a token are summed in slot order (deterministic).
 Dequantization and the decode order are those of ``gguf_gemv``.
 """
 from __future__ import annotations
@@ -18,8 +25,10 @@ import triton
 import triton.language as tl
 
 from glm5serve.kernels.gguf_gemv import (
+    _DOT_TILE,
     BLOCK_SIZES,
     MAX_FAST_M,
+    MAX_GEMM_M,
     SUPPORTED_QTYPES,
     _as_words,
     _device_sms,
@@ -44,10 +53,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
     base = w_ptr + tl.maximum(e, 0) * stride_we
     x_row = x_ptr + (pair // topk).to(tl.int64) * stride_xm
     gate = _zero_acc(1, BLOCK_N, G, T, False)
-    gate = _rows_dot(gate, base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, stride_xm, 1, 1.0,
+    gate = _rows_dot(gate, base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, 0, True, 1.0,
                      QTYPE, KBS, 1, False)
     up = _zero_acc(1, BLOCK_N, G, T, False)
-    up = _rows_dot(up, base + (rows + inter).to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, stride_xm, 1,
+    up = _rows_dot(up, base + (rows + inter).to(tl.int64) * stride_wn, rmask, 0, nb, nb, x_row, 0, True,
                    1.0, QTYPE, KBS, 1, False)
     g = _reduce_acc(gate, False)
     h = g * tl.sigmoid(g) * _reduce_acc(up, False)
@@ -71,16 +80,110 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
         # the routing weight scales this slot's activations: sum_s wt_s * (W_s @ h_s) in one accumulator
         acc = _rows_dot(acc, row_ptr, rmask & (e >= 0), 0, nb, nb, h_ptr + pair.to(tl.int64) * stride_hm,
-                        stride_hm, 1, wt, QTYPE, KBS, 1, False)
+                        0, True, wt, QTYPE, KBS, 1, False)
     y = _reduce_acc(acc, False)
     tl.store(y_ptr + tok.to(tl.int64) * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
              mask=rmask[None, :])
 
 
+GROUP_M = 16  # rows per expert group on the grouped path: at 256 experts a decode batch gives each a few pairs
+GROUPED_WARPS = 8  # with 4, the gate+up tile spills registers (tests/unit/test_kernels_compile.py)
+
+
+def grouped_tile(qtype: int, gate_up: bool) -> tuple[int, int]:
+    """(BLOCK_N, KBS) of the grouped kernels: the tensor-core GEMV tile, with gate+up's rows split between the two
+    (each program holds BLOCK_N gate rows and the BLOCK_N matching up rows)."""
+    bn, kbs = _DOT_TILE[qtype]
+    return (bn // 2 if gate_up else bn), kbs
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, w_ptr, sorted_ptr, gexp_ptr, h_ptr, inter, nb, topk, n_pairs,
+                            stride_xm, stride_we, stride_wn, stride_hm,
+                            QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr):
+    grp = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(gexp_ptr + grp).to(tl.int64)
+    if e < 0:  # a group slot past the last expert's run
+        return
+    pair = tl.load(sorted_ptr + grp * BLOCK_M + tl.arange(0, BLOCK_M))
+    pmask = pair < n_pairs  # padding rows of the group
+    xoff = (pair // topk).to(tl.int64) * stride_xm
+    # one tile of 2 * BLOCK_N weight rows, BLOCK_N gate rows then the matching up rows: x is read once for both
+    r2 = tl.arange(0, 2 * BLOCK_N)
+    rows = pid_n * BLOCK_N + r2 % BLOCK_N
+    wrows = rows + (r2 // BLOCK_N) * inter
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    acc = _rows_dot(acc, w_ptr + e * stride_we + wrows.to(tl.int64) * stride_wn, rows < inter, 0, nb, nb, x_ptr,
+                    xoff, pmask, 1.0, QTYPE, KBS, BLOCK_M, True)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+    h = gate * tl.sigmoid(gate) * up
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < inter
+    tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_hm + rows[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=pmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(h_ptr, w_ptr, sorted_ptr, gexp_ptr, wts_ptr, out_ptr, hidden, nb, n_pairs,
+                         stride_hm, stride_we, stride_wn, stride_om,
+                         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr):
+    grp = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(gexp_ptr + grp).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_ptr + grp * BLOCK_M + tl.arange(0, BLOCK_M))
+    pmask = pair < n_pairs
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < hidden
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _rows_dot(acc, w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, h_ptr,
+                    pair.to(tl.int64) * stride_hm, pmask, 1.0, QTYPE, KBS, BLOCK_M, True)
+    wt = tl.load(wts_ptr + pair, mask=pmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + rows[None, :], acc * wt[:, None],
+             mask=pmask[:, None] & rmask[None, :])
+
+
+def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP_M
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of ``group_m``.
+
+    Args:
+        topk_ids: (T, k) int expert ids; ids outside [0, num_experts) (e.g. -1: not on this rank) are dropped.
+    Returns:
+        ``sorted_pairs`` (G * group_m,) int32: pair index ``t * k + s`` per group row, ``T * k`` on padding rows;
+        ``group_expert`` (G,) int32: each group's expert, -1 for the unused groups at the end.  G =
+        cdiv(T k, group_m) + min(E, T k) is the most groups any routing can need, so shapes depend on T only
+        (capture-safe: no host synchronisation).  Within an expert, pairs keep ascending order.
+    Same layout as vLLM's ``moe_align_block_size`` (``fused_moe/moe_align_block_size.py``).
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    P = flat.numel()
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped pairs: last bucket
+    order = torch.argsort(bucket, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + group_m - 1) // group_m * group_m
+    padded[num_experts] = 0
+    pend = padded.cumsum(0)
+    sb = bucket[order]
+    pos = (pend - padded)[sb] + torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[sb]
+    G = triton.cdiv(P, group_m) + min(num_experts, P)
+    trash = G * group_m  # dropped pairs are written past the end and cut off
+    sorted_pairs = torch.full((trash + 1,), P, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, torch.where(sb < num_experts, pos, trash), order.to(torch.int32))
+    starts = torch.arange(G, device=dev) * group_m
+    group_expert = torch.searchsorted(pend[:num_experts].contiguous(), starts, right=True)
+    group_expert = torch.where(group_expert < num_experts, group_expert, -1).to(torch.int32)
+    return sorted_pairs[:trash], group_expert
+
+
 def supports_moe(qtype_w13: int, qtype_w2: int, num_tokens: int, hidden: int, inter: int) -> bool:
-    """True where ``gguf_moe`` is meant to be used: supported types, 1..16 tokens, whole quant blocks."""
+    """True where ``gguf_moe`` is meant to be used: supported types, 1..MAX_GEMM_M tokens (per-pair kernels up to
+    16, grouped by expert beyond), whole quant blocks."""
     q13, q2 = int(qtype_w13), int(qtype_w2)
-    return (q13 in SUPPORTED_QTYPES and q2 in SUPPORTED_QTYPES and 1 <= num_tokens <= MAX_FAST_M
+    return (q13 in SUPPORTED_QTYPES and q2 in SUPPORTED_QTYPES and 1 <= num_tokens <= MAX_GEMM_M
             and hidden % BLOCK_SIZES[q13][0] == 0 and inter % BLOCK_SIZES[q2][0] == 0)
 
 
@@ -97,7 +200,8 @@ def _kbs(qtype: int, nb: int) -> int:
 
 
 def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, qtype_w13: int, qtype_w2: int, activation: str = "silu") -> torch.Tensor:
+             topk_ids: torch.Tensor, qtype_w13: int, qtype_w2: int, activation: str = "silu",
+             grouped: bool | None = None) -> torch.Tensor:
     """Routed-expert MLP: y[t] = sum_s topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s].
 
     Args:
@@ -109,8 +213,11 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         topk_ids: (T, k) int32/int64 expert indices into E; a negative id contributes nothing (expert parallelism).
         qtype_w13, qtype_w2: GGML type ids (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
         activation: only "silu" (SwiGLU, GLM-5's ``hidden_act``).
+        grouped: None picks the path by T (per-pair kernels up to MAX_FAST_M tokens, grouped by expert beyond);
+            True/False forces one (tests).
     Returns:
-        (T, H) in x's dtype; the intermediate h is kept in fp32.
+        (T, H) in x's dtype; the intermediate h is kept in fp32 on the per-pair path, in x's dtype on the grouped
+        (tensor-core) path, where fp32 activations are not supported.
     Raises:
         ValueError: unsupported type or activation, inconsistent shapes.
     Capture-safe under CUDA graphs (no host synchronisation, allocations through torch).
@@ -141,9 +248,13 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     x = x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.contiguous()
+    w13w, w2w = _as_words(w13, q13), _as_words(w2, q2)
+    if grouped if grouped is not None else T_ > MAX_FAST_M:
+        if x.dtype == torch.float32:
+            raise ValueError("gguf_moe: the grouped path runs on the tensor cores and needs bf16/fp16 x")
+        return _grouped_moe(x, w13w, w2w, wts, ids, q13, q2, inter)
     sms = _device_sms(x.device)
 
-    w13w, w2w = _as_words(w13, q13), _as_words(w2, q2)
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)
     nb13 = H // BLOCK_SIZES[q13][0]
     bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
@@ -162,3 +273,27 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         h, w2w, ids, wts, y, H, nb2, k, h.stride(0), w2w.stride(0), w2w.stride(1), y.stride(0),
         QTYPE=q2, BLOCK_N=bn, KBS=kbs, G=G, T=T, num_warps=4)
     return y
+
+
+def _grouped_moe(x, w13w, w2w, wts, ids, q13, q2, inter):
+    """The grouped-by-expert path of :func:`gguf_moe` (weights already as words where the type wants it)."""
+    T_, H = x.shape
+    E, k = w13w.shape[0], ids.shape[1]
+    P = T_ * k
+    sorted_pairs, group_expert = expert_groups(ids, E, GROUP_M)
+    G = group_expert.shape[0]
+    h = x.new_empty((P, inter))
+    nb13 = H // BLOCK_SIZES[q13][0]
+    bn, kbs = grouped_tile(q13, gate_up=True)
+    _grouped_gate_up_kernel[(G, triton.cdiv(inter, bn))](
+        x, w13w, sorted_pairs, group_expert, h, inter, nb13, k, P, x.stride(0), w13w.stride(0), w13w.stride(1),
+        h.stride(0), QTYPE=q13, BLOCK_M=GROUP_M, BLOCK_N=bn, KBS=min(kbs, _pow2_at_most(nb13)),
+        num_warps=GROUPED_WARPS)
+    out = torch.zeros((P, H), dtype=torch.float32, device=x.device)  # pairs of dropped experts stay 0
+    nb2 = inter // BLOCK_SIZES[q2][0]
+    bn, kbs = grouped_tile(q2, gate_up=False)
+    _grouped_down_kernel[(G, triton.cdiv(H, bn))](
+        h, w2w, sorted_pairs, group_expert, wts, out, H, nb2, P, h.stride(0), w2w.stride(0), w2w.stride(1),
+        out.stride(0), QTYPE=q2, BLOCK_M=GROUP_M, BLOCK_N=bn, KBS=min(kbs, _pow2_at_most(nb2)),
+        num_warps=GROUPED_WARPS)
+    return out.view(T_, k, H).sum(1).to(x.dtype)

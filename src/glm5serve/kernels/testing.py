@@ -63,7 +63,9 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert SwiGLU MLP in float64 from dequantized ``w13`` (E, 2I, H) and ``w2`` (E, H, I), one token and
-    slot at a time (negative ids skipped); returns (y, bound) with bound = sum |w| |W2| |h| for error budgets."""
+    slot at a time (negative ids skipped); returns (y, bound) for error budgets: bound = sum_s |w_s| |W2| (|h| + dh)
+    with dh = 1.1 |W1||x| |up| + |silu(gate)| |W3||x|, the first-order spread of relative errors in gate and up
+    into h (|silu'| <= 1.1)."""
     x64 = x.detach().cpu().double()
     ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
     inter = w13.shape[1] // 2
@@ -76,7 +78,9 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                 continue
             gate_up = w13[e] @ x64[t]
             h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            h_bound = (w13[e].abs() @ x64[t].abs())[inter:] * (w13[e].abs() @ x64[t].abs())[:inter]
+            g_bound = w13[e].abs() @ x64[t].abs()
+            gate, up = gate_up[:inter], gate_up[inter:]
+            h_bound = 1.1 * g_bound[:inter] * up.abs() + torch.nn.functional.silu(gate).abs() * g_bound[inter:]
             y[t] += wts[t, s] * (w2[e] @ h)
             bound[t] += wts[t, s].abs() * (w2[e].abs() @ (h.abs() + h_bound))
     return y, bound

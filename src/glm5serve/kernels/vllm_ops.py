@@ -2,7 +2,7 @@
 
 ``install()`` replaces the two ops the plugin's ``GGUFLinearMethod.apply`` and ``GGUFMoEMethod.apply`` look up
 at call time (``vllm_gguf_plugin.quantization.fused_mul_mat_gguf`` / ``fused_moe_gguf``) with custom ops that
-run ``gguf_linear`` / ``gguf_moe`` for decode batches (<= 16 rows, supported types, CUDA, bf16/fp16) and call
+run ``gguf_linear`` / ``gguf_moe`` for decode batches (<= 256 rows, supported types, CUDA, bf16/fp16) and call
 the plugin's own op otherwise (prefill, F16/BF16/F32 weights, IQ types).  They are registered through vLLM's
 ``direct_register_custom_op`` with fake implementations, so torch.compile treats them as opaque and CUDA graphs
 capture the Triton launches.  Call ``install()`` in every vLLM process after the plugin is imported, e.g. from
