@@ -163,3 +163,15 @@ def test_grouped_moe_kernels_compile_without_spills(q13, q2):
         sass, usage = _sass(k)
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
         assert "HMMA" in sass or "HGMMA" in sass
+
+
+@pytest.mark.parametrize("qtype", sorted(BUDGET), ids=lambda q: g._NAMES[q])
+def test_dequant_kernel_compiles_without_spills(qtype):
+    """The STORE path behind dequantize_rows (batches past 16 rows: dequantize, then cuBLAS)."""
+    bn, kbs = g._FMA_TILE[qtype]
+    k = _compile(g._dequant_kernel, dict(w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", out_ptr="*bf16",
+                                         N="i32", nb="i32", stride_wn="i32", stride_on="i32"),
+                 dict(QTYPE=qtype, BLOCK_N=bn, KBS=kbs), ("w_ptr", "out_ptr", "stride_wn", "stride_on"))
+    sass, usage = _sass(k)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    assert "STG" in sass

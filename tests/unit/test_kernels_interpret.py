@@ -141,6 +141,32 @@ else:
             _check(gguf_linear(x, w, qtype, 33, cfg), ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -7,
                    what=f"M={M}")
 
+    @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+    def test_dequantize_rows_and_the_cublas_path(qtype):
+        """dequantize_rows (the decoder's STORE path) equals gguf-py's dequantizer in fp32 (to fp32 rounding of the
+        FMA decode) and within one bf16 ulp; gguf_linear past 16 rows (dequantize + matmul, in chunks) matches the
+        reference."""
+        from glm5serve.kernels import gguf_gemv
+        from glm5serve.kernels.gguf_gemv import dequantize_rows
+
+        rng = np.random.default_rng(50 + int(qtype))
+        K = _k(qtype, 3)
+        raw = random_qweight(qtype, 21, K, rng)
+        ref = dequant(raw, qtype)
+        w32 = dequantize_rows(torch.from_numpy(raw), qtype, K, dtype=torch.float32)
+        assert w32.shape == (21, K)
+        err = (w32.double() - ref).abs()
+        assert (err <= 2.0 ** -20 * ref.abs().max(1, keepdim=True).values).all(), err.max()
+        w16 = dequantize_rows(torch.from_numpy(raw), qtype, K, 19, torch.bfloat16)
+        assert w16.shape == (19, K) and ((w16.double() - ref[:19]).abs() <= 2.0 ** -7 * ref[:19].abs() + 1e-30).all()
+        x, w, ref_y, bound = _case(qtype, M=20, N=150, K=K, seed=60 + int(qtype), dtype=torch.bfloat16)
+        chunk = gguf_gemv.DEQUANT_CHUNK_BYTES
+        try:
+            gguf_gemv.DEQUANT_CHUNK_BYTES = 64 * 2 * K  # chunks of 64, 64 and 22 rows
+            _check(gguf_linear(x, w, qtype, 150), ref_y, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -7, what="cuBLAS")
+        finally:
+            gguf_gemv.DEQUANT_CHUNK_BYTES = chunk
+
     @pytest.mark.parametrize("q13,q2", [(Q.Q4_K, Q.Q6_K), (Q.Q5_0, Q.Q8_0)], ids=lambda q: q.name)
     def test_moe_grouped_by_expert(q13, q2):
         """20 tokens (past the per-pair path), top-3 of 5 experts with repeats, negative ids and one expert nobody

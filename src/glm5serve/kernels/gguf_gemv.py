@@ -21,8 +21,9 @@ bound by its instruction count before it reaches that bandwidth):
   so the activations are read as contiguous vectors, once per ``BLOCK_N`` rows.
 - For one activation row the products run on the FMA units (one FMA per weight into per-weight accumulators,
   reduced after the K loop); for 2..16 rows the dequantized tile goes to ``tl.dot`` (tensor cores) with x
-  padded to 16 rows, for 17..256 rows to ``tl.dot`` with 32 or 64 rows per program (the tile is dequantized
-  once per 64 rows, which past decode batches costs less than re-reading the weight).
+  padded to 16 rows.  Past 16 rows (``gguf_linear`` without a config) the weight is dequantized to bf16 by the
+  same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
+  fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
 ``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
 instruction count per weight in the K loop within a budget (~6-8 for Q4_K: the H200 issues enough instructions
@@ -52,6 +53,7 @@ MAX_FAST_M = 16   # per-row decode kernels (GEMV FMA path, per-(token, expert) M
 MAX_GEMM_M = 256  # tensor-core path with weight tiles dequantized once per block_m rows; beyond: the plugin's
 
 _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
+STORE: tl.constexpr = tl.constexpr(2)  # USE_DOT value of the dequantize kernel: write the weights, no product
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +127,16 @@ def _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask,
                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += x[:, kidx] (*) w.  w: [BN, G, T] fp32 weights; kidx/kmask: [G, T] column of each weight.
 
-    FMA path (one activation row at x_ptr): acc is [BN, G, T] fp32, one FMA per weight, reduced after the K loop;
-    xoff/xmask are unused.  Dot path: acc is [BLOCK_M, BN]; activation row m starts at x_ptr + xoff[m] (int64
-    element offsets, so rows may be gathered, as the grouped MoE does), rows with xmask[m] False read as zeros.
+    FMA path (USE_DOT False, one activation row at x_ptr): acc is [BN, G, T] fp32, one FMA per weight, reduced
+    after the K loop; xoff/xmask are unused.  Dot path (True): acc is [BLOCK_M, BN]; activation row m starts at
+    x_ptr + xoff[m] (int64 element offsets, so rows may be gathered, as the grouped MoE does), rows with xmask[m]
+    False read as zeros.  Store "path" (USE_DOT == STORE): no product; the weights are written in x_ptr's dtype
+    to x_ptr + xoff[n] + column for each of the BN rows (xmask: [BN] rows to write), and acc is returned as is.
     """
-    if USE_DOT:
+    if USE_DOT == STORE:
+        tl.store(x_ptr + xoff[:, None, None] + kidx[None, :, :], w.to(x_ptr.dtype.element_ty),
+                 mask=xmask[:, None, None] & kmask[None, :, :])
+    elif USE_DOT:
         BN: tl.constexpr = w.shape[0]
         GT: tl.constexpr = w.shape[1] * w.shape[2]
         k2 = tl.reshape(kidx, [GT])
@@ -406,6 +413,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
                  mask=ymask)
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on,
+                    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr):
+    """Grid (N tiles, K steps): one program decodes KBS blocks of BLOCK_N rows and stores them (STORE path)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    _step(0.0, w_ptr + rows.to(tl.int64) * stride_wn, rmask, tl.program_id(1) * KBS, nb, out_ptr,
+          rows.to(tl.int64) * stride_on, rmask, 1.0, QTYPE, KBS, 1, STORE)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
@@ -536,6 +553,55 @@ def _as_words(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     return qweight.view(torch.int32)
 
 
+def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = None,
+                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize the first N rows of a raw GGUF weight on the GPU with the GEMV's decoder (weights rounded once
+    to ``dtype``).
+
+    Args:
+        qweight: (>= N, >= row_bytes) uint8 raw GGUF rows (row_bytes = K / block_elems * block_bytes).
+        qtype: GGML type id (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
+        K: elements per row; N: rows (default: all).
+        dtype: output dtype (bf16, fp16 or fp32); ``out``: optional (N, K) destination with contiguous rows.
+    Returns:
+        (N, K) tensor, numpy layout (row n = output feature n), as gguf-py ``dequantize`` gives it.
+    Raises:
+        ValueError: unsupported type or inconsistent shapes.
+    """
+    qtype = int(qtype)
+    N = qweight.shape[0] if N is None else N
+    _check(torch.empty((0, K), dtype=dtype), qweight, qtype, N)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    if N == 0:
+        return out
+    nb = K // BLOCK_SIZES[qtype][0]
+    bn, kbs = _FMA_TILE[qtype]
+    kbs = min(kbs, _pow2_at_most(nb))
+    w = _as_words(qweight, qtype)
+    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(nb, kbs))](w, out, N, nb, w.stride(0), out.stride(0),
+                                                                 QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=4)
+    return out
+
+
+#: bf16 scratch per dequantize + cuBLAS chunk (rows are dequantized this many bytes at a time)
+DEQUANT_CHUNK_BYTES = 64 << 20
+
+
+def _dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, K: int) -> torch.Tensor:
+    """y = x @ W.T for batches past MAX_FAST_M rows: W dequantized to x's dtype in chunks of rows, then cuBLAS."""
+    rows = max(64, DEQUANT_CHUNK_BYTES // (2 * K) // 64 * 64)
+    if rows >= N:
+        return x @ dequantize_rows(qweight, qtype, K, N, x.dtype).T
+    y = x.new_empty((x.shape[0], N))
+    scratch = torch.empty((rows, K), dtype=x.dtype, device=x.device)
+    for n0 in range(0, N, rows):
+        n = min(rows, N - n0)
+        w = dequantize_rows(qweight[n0:n0 + n], qtype, K, n, x.dtype, out=scratch[:n])
+        y[:, n0:n0 + n] = x @ w.T
+    return y
+
+
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
                 config: GemvConfig | None = None) -> torch.Tensor:
     """y = x @ dequantize(qweight)[:N].T for a GGUF-quantized weight.
@@ -546,7 +612,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
         N: output features (rows of the weight used).
-        config: launch parameters (default: ``pick_config``).
+        config: launch parameters (default: ``pick_config``; for bf16/fp16 x of more than MAX_FAST_M rows the
+            default is no fused kernel: W is dequantized to x's dtype, DEQUANT_CHUNK_BYTES at a time, and
+            multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:
         (M, N) in x's dtype; accumulation in fp32.
     Raises:
@@ -562,6 +630,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         x = x.contiguous()
     qk, _ = BLOCK_SIZES[qtype]
     nb = K // qk
+    if config is None and M > MAX_FAST_M and x.dtype in (torch.bfloat16, torch.float16):
+        return _dequant_matmul(x, qweight, qtype, N, K)
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)

@@ -164,8 +164,8 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
     bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # dropped pairs: last bucket
     order = torch.argsort(bucket, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts + group_m - 1) // group_m * group_m
-    padded[num_experts] = 0
+    # runs padded to whole groups; the dropped pairs' bucket gets none (a mask, not an indexed store: capture-safe)
+    padded = (counts + group_m - 1) // group_m * group_m * (torch.arange(num_experts + 1, device=dev) < num_experts)
     pend = padded.cumsum(0)
     sb = bucket[order]
     pos = (pend - padded)[sb] + torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[sb]
