@@ -81,9 +81,21 @@ def copy_bw() -> float:
     return copy_bandwidth(DEV)
 
 
+class Results(list):
+    """Benchmark rows; the report files are rewritten after every row, so a run cut short keeps what it measured."""
+
+    def __init__(self, copy_bw: float):
+        super().__init__()
+        self.copy_bw = copy_bw
+
+    def add(self, row: dict) -> None:
+        self.append(row)
+        _write_report(self, self.copy_bw, echo=False)
+
+
 @pytest.fixture(scope="module")
 def results(copy_bw):
-    rows: list[dict] = []
+    rows = Results(copy_bw)
     yield rows
     _write_report(rows, copy_bw)
 
@@ -149,7 +161,7 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
                x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=cublas_us / ours_us,
                plugin=backend if plugin_err is None else plugin_err, rel_err=rel,
                config=str(pick_config(qtype, M, N, K, sms, x.dtype, _device_info(x.device)[1])))
-    results.append(row)
+    results.add(row)
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, iterations=1)
     del ws, wbs, graph
@@ -199,7 +211,7 @@ def test_bench_moe(benchmark, results, copy_bw, layout, T):
                copy_fraction=mean_bytes / (ours_us * 1e-6) / copy_bw,
                x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=None,
                plugin="plugin fused MoE" if plugin_err is None else plugin_err, rel_err=rel, config="")
-    results.append(row)
+    results.add(row)
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, iterations=1)
     del w13, w2, graph
@@ -210,7 +222,7 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _write_report(rows: list[dict], copy_bw: float) -> None:
+def _write_report(rows: list[dict], copy_bw: float, echo: bool = True) -> None:
     if not rows:
         return
     name = torch.cuda.get_device_name()
@@ -243,7 +255,8 @@ def _write_report(rows: list[dict], copy_bw: float) -> None:
               f"(min {min((r['x_plugin'] for r in large), default=0):.2f}x)",
               "", "Plugin backend / errors: " + "; ".join(sorted({str(r['plugin']) for r in rows}))]
     text = "\n".join(lines)
-    print("\n" + text)
+    if echo:
+        print("\n" + text)
     out = os.environ.get("GLM5SERVE_BENCH_OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
