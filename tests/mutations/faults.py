@@ -56,7 +56,7 @@ FAULTS: tuple[Fault, ...] = (
            P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference")),
     Fault("scaling-never-config", "11", "the config ignores expert_weights_scale (vLLM and reference scale by 1)",
           "src/glm5serve/config.py",
-          (('routed_scaling_factor=float(opt("expert_weights_scale", 1.0)),', "routed_scaling_factor=1.0,"),),
+          (('routed_scaling_factor=opt("expert_weights_scale", 1.0, float),', "routed_scaling_factor=1.0,"),),
           (P + "test_bug_classes.py::test_class11_vllm_routed_output_scales_linearly_with_routed_scaling_factor",)),
     Fault("bias-in-weights", "11/14", "the reference weights experts by sigmoid + e_score_correction_bias",
           "src/glm5serve/reference.py",
@@ -80,7 +80,7 @@ FAULTS: tuple[Fault, ...] = (
     # extra faults, one per class the new properties cover, to show each of them is sharp
     Fault("norm-eps-config", "14", "the config uses 1e-6 for every RMSNorm instead of the GGUF's epsilon",
           "src/glm5serve/config.py",
-          (('rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),', "rms_norm_eps=1e-6,"),),
+          (('rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),', "rms_norm_eps=1e-6,"),),
           (P + "test_bug_classes.py::test_class14_vllm_norms_use_the_gguf_epsilons",)),
     Fault("substring-rename", "6", "glm5serve's fix for vllm-gguf-plugin PR#131 is not installed",
           "src/glm5serve/vllm_plugin/fixes.py",
