@@ -179,11 +179,13 @@ else:
         def positive(qtype, rows, cols, hi=0.02):
             return quantize(rng.uniform(hi / 10, hi, (rows, cols)).astype(np.float32), qtype)
 
-        # gate rows small (silu far from linear there), up rows large: swapping gate and up shows; expert e's down
-        # weights scaled by e + 1: a wrong expert shows
-        w13 = np.stack([np.concatenate([positive(q13, inter, H, 0.002), positive(q13, inter, H)]) for _ in range(E)])
+        # gate ~2 and up ~0.3 (silu is far from linear at both, so swapping them shows); expert e's down weights
+        # scaled by e + 1 and token t's activations by 1 + t / 4: a wrong expert or token shows
+        w13 = np.stack([np.concatenate([positive(q13, inter, H, 8 / H), positive(q13, inter, H, 1 / H)])
+                        for _ in range(E)])
         w2 = np.stack([positive(q2, H, inter, 0.01 * (e + 1)) for e in range(E)])
-        x = torch.from_numpy(rng.uniform(0.1, 1, (T, H)).astype(np.float32)).to(torch.bfloat16)
+        x = rng.uniform(0.1, 1, (T, H)) * (1 + np.arange(T)[:, None] / 4)
+        x = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
         ids = torch.from_numpy(rng.choice([0, 1, 2, 4, -1], size=(T, k), p=[.3, .3, .2, .15, .05])).to(torch.int32)
         wts = torch.from_numpy(rng.uniform(0.1, 1, (T, k)).astype(np.float32))
         assert supports_moe(q13, q2, T, H, inter)
