@@ -64,7 +64,7 @@ def decode_stats(concurrency: int, output_len: int, ttft_s: float, e2e_s: float)
 KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple((g, re.compile(p, re.I)) for g, p in (
     ("allreduce", r"nccl|all_?reduce|all_?gather|reduce_?scatter|cross_device|one_?shot|two_?shot|multimem|"
                   r"custom_?ar"),
-    ("moe", r"moe|expert|grouped_?topk|topk_?gating|topk_?sigmoid|topk_?softmax|noaux|align_block|count_and_sort"),
+    ("moe", r"moe|expert|grouped_(gate_up|down)|grouped_?topk|topk_?gating|topk_?sigmoid|topk_?softmax|noaux|align_block|count_and_sort"),
     ("attention", r"mla|attn|attention|flash|fmha|sparse|indexer|mqa|top_?k_per_row|cache|rotary|rope"),
     ("gemm", r"gemm|gemv|matmul|mul_mat|cutlass|xmma|cublas|nvjet|wgmma|splitk|dequant"),
 ))

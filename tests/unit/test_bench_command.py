@@ -98,6 +98,9 @@ KERNELS = {  # kernel names as they appear in CUDA traces of vLLM 0.25 on an H20
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "allreduce",
     "void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals, int)": "allreduce",
     "_moe_gate_up_kernel": "moe",
+    "_grouped_gate_up_kernel": "moe",  # the H200 profile of session 3 filed these two under "other"
+    "_grouped_down_kernel": "moe",
+    "_dequant_kernel": "gemm",
     "q4_k_moe_kernel": "moe",
     "void vllm::moe::grouped_topk_kernel<__nv_bfloat16, float>(...)": "moe",
     "void vllm::moe::topkGatingSigmoid<__nv_bfloat16, 8, 256, 4, 32, int, 0>(...)": "moe",
