@@ -50,7 +50,7 @@ _NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", 
 # Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
 _WORD_TYPES = frozenset({Q4_K, Q5_K})
 MAX_FAST_M = 16   # per-row decode kernels (GEMV FMA path, per-(token, expert) MoE)
-MAX_GEMM_M = 256  # tensor-core path with weight tiles dequantized once per block_m rows; beyond: the plugin's
+MAX_GEMM_M = 256  # 17..256 rows: dequantize to bf16 + cuBLAS (grouped by expert for MoE); beyond: the plugin's
 
 _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 STORE: tl.constexpr = tl.constexpr(2)  # USE_DOT value of the dequantize kernel: write the weights, no product
