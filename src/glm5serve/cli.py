@@ -14,16 +14,22 @@ import sys
 
 from glm5serve.errors import GGUFModelError
 
-COMMAND_MODULES = ("glm5serve.checkpoint", "glm5serve.inspect_cmd", "glm5serve.verify",
-                   "glm5serve.generate", "glm5serve.vllm_plugin.serve", "glm5serve.synthetic", "glm5serve.bench")
+#: sub-command -> the module that registers it; only the named command's module is imported (torch and
+#: transformers cost seconds, ``inspect`` needs neither), all of them for ``--help`` or an unknown command
+COMMAND_MODULES = {"make-checkpoint": "glm5serve.checkpoint", "inspect": "glm5serve.inspect_cmd",
+                   "verify": "glm5serve.verify", "generate": "glm5serve.generate",
+                   "serve": "glm5serve.vllm_plugin.serve", "synthetic-gguf": "glm5serve.synthetic",
+                   "bench": "glm5serve.bench"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``glm5serve`` parser with every available sub-command registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``glm5serve`` parser with ``command`` registered, or every available sub-command when ``command`` is
+    None or not one of :data:`COMMAND_MODULES`."""
     parser = argparse.ArgumentParser(prog="glm5serve", description="Serve GLM-5 from GGUF files and prove the "
                                                                    "output is right.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    names = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else COMMAND_MODULES.values()
+    for name in names:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -38,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``glm5serve`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except GGUFModelError as e:

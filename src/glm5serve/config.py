@@ -5,12 +5,14 @@ Key names follow gguf-py ``constants.Keys`` and what llama.cpp's converter write
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import GlmMoeDsaConfig
 
 from glm5serve.errors import GGUFModelError
+
+if TYPE_CHECKING:
+    from transformers import GlmMoeDsaConfig
 
 ARCH = "glm-dsa"
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # gguf-py ExpertGatingFuncType
@@ -140,6 +142,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); accept names too
         kwargs["indexer_types"] = [t if isinstance(t, str) else ("full" if t else "shared")
                                    for t in indexer_types][:n_layers]
+
+    from transformers import GlmMoeDsaConfig  # here, not at import: it costs seconds (inspect never needs it)
 
     cfg = GlmMoeDsaConfig(
         architectures=["GlmMoeDsaForCausalLM"],

@@ -82,7 +82,7 @@ def test_verify_tp_option(tiny_checkpoint, capsys):
 
 
 def test_missing_command_modules_are_skipped(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "glm5serve.no_such_command"))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", {**cli.COMMAND_MODULES, "nope": "glm5serve.no_such_command"})
     commands = build_parser()._subparsers._group_actions[0].choices
     assert {"make-checkpoint", "inspect", "verify"} <= set(commands)
 
@@ -90,7 +90,7 @@ def test_missing_command_modules_are_skipped(monkeypatch):
 def test_a_broken_command_module_is_not_hidden(monkeypatch, tmp_path):
     (tmp_path / "glm5serve_broken_cmd.py").write_text("import glm5serve_dependency_that_is_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("glm5serve_broken_cmd",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", {"broken": "glm5serve_broken_cmd"})
     with pytest.raises(ModuleNotFoundError, match="glm5serve_dependency_that_is_missing"):
         build_parser()
 
@@ -131,3 +131,17 @@ def test_generate_logprobs_beyond_the_vocabulary(tiny_checkpoint, capsys):
 def test_synthetic_layers_beyond_the_model(tmp_path, capsys):
     assert main(["synthetic-gguf", str(tmp_path / "x.gguf"), "--layers", "100"]) == 2
     assert "glm5 has 78 main layers" in capsys.readouterr().err
+
+
+def test_a_command_imports_only_its_own_module(tiny_checkpoint):
+    """`glm5serve inspect` reads a GGUF header: it must not pay for importing torch or transformers (seconds each),
+    which other commands' modules and a transformers config at import time used to pull in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io; from glm5serve.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): rc = main(['inspect', {str(tiny_checkpoint)!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'transformers', 'glm5serve.checkpoint') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[-2] == "0 []", out
+    assert set(build_parser("inspect")._subparsers._group_actions[0].choices) == {"inspect"}
