@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -475,21 +476,45 @@ def add_parser(subparsers) -> None:
 
 
 def _read_record(path) -> dict:
-    """A bench record from ``path`` (what ``glm5serve bench --json`` writes), checked for the fields the projection
-    reads; GGUFModelError naming the file otherwise."""
+    """A bench record from ``path`` (what ``glm5serve bench --json`` writes), with every field the projection reads
+    checked for its type (counts are integers >= 1, not booleans; times are finite: ``json`` reads NaN and
+    Infinity); GGUFModelError naming the file and the field otherwise."""
     try:
         rec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise GGUFModelError(f"cannot read a bench record: {e}", file=str(path)) from None
-    try:
-        ok = (isinstance(rec["tp"], int) and rec["tp"] >= 1 and isinstance(rec["layers"], int) and rec["layers"] >= 1
-              and all(isinstance(r["concurrency"], int) and isinstance(r.get("step_ms") or 0, (int, float))
-                      for run in rec["runs"] for r in run.get("results", [])))
-    except (KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise GGUFModelError("not a glm5serve bench record (needs tp, layers and runs[].results[] with concurrency "
-                             "and step_ms)", file=str(path))
+
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise GGUFModelError(f"not a glm5serve bench record: {field} must be {what}", file=str(path))
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    need(isinstance(rec, dict), "the top level", "an object")
+    for key in ("tp", "layers"):
+        need(count(rec.get(key)), key, "an integer >= 1")
+    need(isinstance(rec.get("runs"), list), "runs", "a list")
+    for i, run in enumerate(rec["runs"]):
+        need(isinstance(run, dict), f"runs[{i}]", "an object")
+        need(isinstance(run.get("mode"), str), f"runs[{i}].mode", "a string")
+        need(isinstance(run.get("results"), list), f"runs[{i}].results", "a list")
+        for j, r in enumerate(run["results"]):
+            at = f"runs[{i}].results[{j}]"
+            need(isinstance(r, dict), at, "an object")
+            need(count(r.get("concurrency")), f"{at}.concurrency", "an integer >= 1")
+            need(r.get("step_ms") is None or number(r["step_ms"]), f"{at}.step_ms", "a finite number >= 0 or null")
+            profile = r.get("profile")
+            need(profile is None or isinstance(profile, dict), f"{at}.profile", "an object or null")
+            groups = (profile or {}).get("groups")
+            need(groups is None or isinstance(groups, dict), f"{at}.profile.groups", "an object")
+            ar = (groups or {}).get("allreduce")
+            need(ar is None or isinstance(ar, dict), f"{at}.profile.groups.allreduce", "an object")
+            for key in ("us_per_step", "calls_per_step") if ar is not None else ():
+                need(number(ar.get(key)), f"{at}.profile.groups.allreduce.{key}", "a finite number >= 0")
     return rec
 
 

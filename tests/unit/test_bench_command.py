@@ -325,6 +325,40 @@ def test_projection_refuses_what_is_not_a_bench_record(tmp_path, capsys, content
     assert str(f) in err and "not a glm5serve bench record" in err and err.strip().count("\n") == 0
 
 
+def _set(rec: dict, path: str, value) -> dict:
+    """``rec`` with the field at the dotted ``path`` (list indices as numbers) set to ``value`` (``...``: removed)."""
+    *keys, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    node = rec
+    for k in keys:
+        node = node[k]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return rec
+
+
+@pytest.mark.parametrize("path, value, field", [
+    ("runs", {"graphs": []}, "runs must be a list"), ("runs", "graphs", "runs must be a list"),
+    ("runs", [5], "runs[0] must be an object"), ("runs.0.mode", ..., "runs[0].mode must be a string"),
+    ("runs.0.mode", ["graphs"], "runs[0].mode must be a string"),
+    ("runs.0.results", ..., "runs[0].results must be a list"),
+    ("runs.0.results.1.concurrency", True, "runs[0].results[1].concurrency must be an integer"),
+    ("runs.0.results.0.step_ms", float("nan"), "runs[0].results[0].step_ms must be a finite number"),
+    ("runs.0.results.0.step_ms", float("inf"), "runs[0].results[0].step_ms must be a finite number"),
+    ("runs.0.results.0.profile", "none", "runs[0].results[0].profile must be an object"),
+    ("runs.0.results.0.profile.groups.allreduce.us_per_step", "25", "allreduce.us_per_step must be a finite number"),
+    ("runs.0.results.0.profile.groups.allreduce.us_per_step", ..., "allreduce.us_per_step must be a finite number"),
+    ("tp", True, "tp must be an integer >= 1"), ("layers", False, "layers must be an integer >= 1")])
+def test_projection_names_the_bad_field_of_a_record(tmp_path, capsys, path, value, field):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_set(_record(8, 2, profile=True), path, value)))  # NaN and Infinity as json writes them
+    assert main(["bench", "--projection", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"glm5serve bench: {f}: not a glm5serve bench record: ") and field in err
+    assert err.strip().count("\n") == 0
+
+
 def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, tiny_checkpoint):
     from glm5serve.synthetic import write_header
 
