@@ -566,8 +566,10 @@ def _run(args) -> int:
     else:
         if args.model is None:
             raise GGUFModelError("bench needs a MODEL (or --projection RESULT.json ...)")
-        if args.output_len < 2 or args.input_len < 1 or args.tp < 1:
-            raise GGUFModelError("--output-len must be >= 2, --input-len and --tp >= 1")
+        for name, value, least in (("--output-len", args.output_len, 2), ("--input-len", args.input_len, 1),
+                                   ("--tp", args.tp, 1)):
+            if value < least:
+                raise GGUFModelError(f"{name} must be >= {least}, not {value}")
         _check_runnable(args)
         out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
                     load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,

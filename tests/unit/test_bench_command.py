@@ -400,3 +400,9 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
     assert "needs a header" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", str(tiny_checkpoint), "--load-format", "bogus"])
+    capsys.readouterr()
+    for bad, want in ((["--tp", "0"], "--tp must be >= 1, not 0"),
+                      (["--output-len", "1"], "--output-len must be >= 2, not 1"),
+                      (["--input-len", "-3"], "--input-len must be >= 1, not -3")):
+        assert main(["bench", str(tiny_checkpoint), *bad]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve bench: {want}"
