@@ -41,6 +41,14 @@ def test_a_tp_verify_rejects_is_refused_with_its_message(tiny_checkpoint, capsys
     assert capsys.readouterr().err.strip() == f"glm5serve serve: {detail}"
 
 
+@pytest.mark.parametrize("args", [["--tensor-parallel-size=0"], ["-tp", "-1"], ["-tp", "two"]])
+def test_a_tp_size_that_is_not_a_positive_integer_is_refused(tiny_checkpoint, capsys, args):
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("glm5serve serve: --tensor-parallel-size must be ") and not captured.out
+    assert captured.err.strip().count("\n") == 0
+
+
 @pytest.mark.parametrize("capability, topk, want", [
     (None, 2048, "none: no CUDA GPU"), ((9, 0), 2048, "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE"),
     ((10, 0), 2048, "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE"), ((12, 0), 2048, "FLASHINFER_MLA_SPARSE_SM120"),

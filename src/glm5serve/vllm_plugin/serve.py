@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         tp = int(tp_text)
     except ValueError:
         raise GGUFModelError(f"--tensor-parallel-size must be an integer, not {tp_text!r}") from None
+    if tp < 1:  # 0 would divide by zero in the checks, a negative size print negative memory
+        raise GGUFModelError(f"--tensor-parallel-size must be >= 1, not {tp}")
     for label, value in settings(args.model, tp, vllm_args):
         print(f"{label:>18}: {value}")
     cmd = vllm_command(args.model, vllm_args)
