@@ -41,6 +41,13 @@ def test_a_tp_verify_rejects_is_refused_with_its_message(tiny_checkpoint, capsys
     assert capsys.readouterr().err.strip() == f"glm5serve serve: {detail}"
 
 
+def test_without_a_model_only_the_model_is_required(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--dry-run"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("error: the following arguments are required: model")
+
+
 @pytest.mark.parametrize("args", [["--tensor-parallel-size=0"], ["-tp", "-1"], ["-tp", "two"]])
 def test_a_tp_size_that_is_not_a_positive_integer_is_refused(tiny_checkpoint, capsys, args):
     assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2

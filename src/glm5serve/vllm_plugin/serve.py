@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="GGUF file or shard 1 of a split set")
     p.add_argument("--dry-run", action="store_true", help="print the settings and the vLLM command, start nothing")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged")
+    # argparse marks every REMAINDER positional required, so a missing MODEL was reported as "model, vllm_args"
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged").required = False
     p.set_defaults(func=run)
 
 
