@@ -5,6 +5,8 @@ Key names follow gguf-py ``constants.Keys`` and what llama.cpp's converter write
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,6 +76,11 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
                    f"{cfg.qk_rope_head_dim}")
     if cfg.num_attention_heads <= 0 or cfg.index_n_heads <= 0 or cfg.index_topk <= 0:
         out.append("head counts and indexer top_k must be positive")
+    for key, v in (("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps),  # NaN or <= 0: NaN logits, no error
+                   ("rope.freq_base", cfg.rope_parameters["rope_theta"]),
+                   ("expert_weights_scale", cfg.routed_scaling_factor)):
+        if not (math.isfinite(v) and v > 0):
+            out.append(f"{a}{key}={v} is not a positive finite number")
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != cfg.vocab_size:
         out.append(f"{a}vocab_size={cfg.vocab_size} but tokenizer.ggml.tokens holds {len(tokens)}")
@@ -99,8 +106,10 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
     Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
-    key holds a value of the wrong type (naming the key and the type expected), or the keys contradict each other
-    or cannot be run (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``).
+    key holds a value of the wrong type (naming the key and the type expected), ``block_count`` names more blocks
+    than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
+    (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
+    positive finite number).
     """
     md, path = _md(model)
     arch = md.get("general.architecture")
@@ -122,6 +131,10 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         return None if v is None else metadata_value(f"tokenizer.ggml.{role}_token_id", v, int, path)
 
     n_blocks = req("block_count")
+    if hasattr(model, "tensors"):  # a GGUFModel: a block_count past the tensors would size everything after it
+        last = max((int(m[1]) for n in model.tensors if (m := re.match(r"blk\.(\d+)\.", n))), default=-1)
+        if n_blocks > last + 1:
+            raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file's tensors stop at blk.{last}", file=path)
     n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
     rope_dim = req("rope.dimension_count")

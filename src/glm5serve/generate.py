@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--logprobs", type=int, default=0, metavar="K",
                    help="after the text, list each new token's logprob and the top-K alternatives")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); else sample")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**63-1 (default 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
     p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded", help="MLA form (same result)")
     p.add_argument("--qa-kv-norm-eps", type=_eps, default="1e-6",
@@ -47,6 +47,17 @@ def _eps(value: str) -> float | str:
     if not (math.isfinite(eps) and eps > 0):
         raise argparse.ArgumentTypeError(f'{value!r} is neither a positive number nor "rms_norm_eps"')
     return eps
+
+
+def _seed(value: str) -> int:
+    """argparse type: an integer torch.Generator.manual_seed takes (0..2**63-1)."""
+    try:
+        seed = int(value)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer in 0..2**63-1")
+    return seed
 
 
 def _temperature(value: str) -> float:
@@ -78,9 +89,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"glm5serve generate: --logprobs {args.logprobs} exceeds the vocabulary ({model.cfg.vocab_size} tokens)",
               file=sys.stderr)
         return 2
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line arrive as lone surrogates
+        print("glm5serve generate: the prompt is not valid UTF-8", file=sys.stderr)
+        return 2
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         print("glm5serve generate: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    n_ctx = model.cfg.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > n_ctx:  # as vLLM refuses a request past max_model_len
+        print(f"glm5serve generate: {args.model}: a prompt of {len(prompt_ids)} tokens + --max-tokens "
+              f"{args.max_tokens} exceeds the model's context length of {n_ctx} tokens (glm-dsa.context_length)",
+              file=sys.stderr)
         return 2
     stop = {i for i in (tok.eos_token_id, model.cfg.eos_token_id) if i is not None}
     out = sys.stdout

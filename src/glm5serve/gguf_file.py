@@ -83,10 +83,12 @@ class _TensorProblem(Exception):
 
 
 class _Reader(GGUFReader):
-    """gguf-py's reader, but a tensor of unknown type or whose data runs past the end of the file is named."""
+    """gguf-py's reader, plus the per-tensor checks llama.cpp's ``gguf_init_from_file_impl`` (ggml/src/gguf.cpp)
+    makes, each naming the tensor: a known type, rows that are whole blocks, data that starts exactly where the
+    previous tensor's padded data ends (so no two tensors overlap), and data inside the file."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
+        size, expected = len(self.data), 0
         for field in fields:
             _, name, _, dims, raw_dtype, offset = field.parts
             tensor = bytes(name).decode("utf-8", "replace")
@@ -95,13 +97,25 @@ class _Reader(GGUFReader):
             except ValueError:
                 raise _TensorProblem(tensor, f"unknown ggml tensor type id {int(raw_dtype[0])}") from None
             block, type_size = GGML_QUANT_SIZES[qtype]
-            if start_offs + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_size // block > size:
+            if int(dims[0]) % block:
+                raise _TensorProblem(tensor, f"rows of {int(dims[0])} {qtype.name} values are not whole "
+                                             f"{block}-value blocks")
+            if int(offset[0]) != expected:
+                raise _TensorProblem(tensor, f"data offset {int(offset[0])} is not {expected}, where the previous "
+                                             "tensor's padded data ends (overlapping or misplaced tensor data)")
+            n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
+            if start_offs + expected + n_bytes > size:
                 raise _TensorProblem(tensor, "truncated file: tensor data runs past the end of the file")
+            expected += -(-n_bytes // self.alignment) * self.alignment
         super()._build_tensors(start_offs, fields)
 
 
 def _open_reader(path: Path) -> GGUFReader:
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if not b"GGUF".startswith(magic):  # a shorter prefix is a truncated header: gguf-py says so below
+            raise GGUFModelError(f"not a GGUF file (it starts with {magic!r}, not b'GGUF')", file=str(path))
         return _Reader(path, "r")
     except _TensorProblem as e:
         raise GGUFModelError(e.reason, file=str(path), tensor=e.tensor) from None

@@ -312,3 +312,73 @@ def test_generate_refuses_weights_that_dequantize_to_nan_or_inf(case, non_finite
     _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "2"], capsys, path.name, tensor,
               "non-finite values after dequantization (NaN/Inf)")
     _verify_fail(path, capsys, path.name, tensor, "non-finite")
+
+
+# ---------------------------------------------------------------- a second new-user trial (session 4): headers
+# llama.cpp refuses, metadata numbers that give NaN logits, a block_count that sizes everything after it.
+
+def _patch_tensor_offset(path: Path, tensor: str, offset: int) -> None:
+    """Overwrite a tensor's data offset (relative to the data section) in the header."""
+    r = GGUFReader(path)
+    (t,) = [t for t in r.tensors if t.name == tensor]
+    at = t.field.offset + sum(p.nbytes for p in t.field.parts[:5])  # name len, name, n_dims, dims, type -> offset
+    del r
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(struct.pack("<Q", offset))
+
+
+def _offsets(path: Path) -> list[tuple[str, int]]:
+    r = GGUFReader(path)
+    return [(t.name, int(t.field.parts[5][0])) for t in r.tensors]
+
+
+def test_a_file_that_is_not_gguf(tmp_path, capsys):
+    path = tmp_path / "notes.gguf"
+    path.write_text("these are my notes, not a model\n")
+    _one_line(["inspect", str(path)], capsys, path.name, "not a GGUF file", "b'thes'")
+    _verify_fail(path, capsys, path.name, "not a GGUF file")
+
+
+@pytest.mark.parametrize("how", ["overlap", "shifted"])
+def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, capsys):
+    """llama.cpp (gguf.cpp) requires each tensor's data to start where the previous one's padded data ends; a header
+    that points two tensors at the same bytes or off by a few bytes is refused, naming the tensor, not read as
+    other tensors' bytes (which passed ``verify`` whenever the bytes happened to decode to finite values)."""
+    path = tmp_path / f"{how}.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    offsets = _offsets(path)
+    name, offset = offsets[5] if how == "overlap" else offsets[0]
+    _patch_tensor_offset(path, name, offsets[4][1] if how == "overlap" else offset + 4)
+    for command in (["inspect"], ["generate", "--prompt", "Hi"]):
+        _one_line([command[0], str(path), *command[1:]], capsys, path.name, name, "overlapping or misplaced")
+    _verify_fail(path, capsys, name, "overlapping or misplaced")
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("glm-dsa.attention.layer_norm_rms_epsilon", -1.0, "is not a positive finite number"),
+    ("glm-dsa.attention.layer_norm_rms_epsilon", float("nan"), "is not a positive finite number"),
+    ("glm-dsa.rope.freq_base", -5.0, "is not a positive finite number"),
+    ("glm-dsa.expert_weights_scale", 0.0, "is not a positive finite number"),
+    ("glm-dsa.block_count", 4_000_000_000, "but the file's tensors stop at blk.3"),
+])
+def test_metadata_numbers_that_cannot_run(key, value, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """Before: a NaN or negative epsilon / rope base passed ``verify`` and ``generate`` printed NaN logprobs with
+    exit 0; block_count=4e9 made ``verify`` build a 4e9-layer tensor inventory until the OOM killer came."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "bad.gguf", set_keys={key: value})
+    _verify_fail(path, capsys, path.name, key, words)
+    _one_line(["generate", str(path), "--prompt", "Hi"], capsys, path.name, key, words)
+
+
+def test_generate_refuses_what_the_model_cannot_hold(tiny_checkpoint, capsys):
+    """A prompt plus --max-tokens past glm-dsa.context_length is refused as vLLM refuses it (max_model_len), not
+    run past the trained positions (or into a 51 GB allocation); a seed torch cannot take and a prompt that is not
+    UTF-8 are usage errors, not tracebacks."""
+    _one_line(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--max-tokens", "600"], capsys,
+              tiny_checkpoint.name, "--max-tokens 600 exceeds the model's context length of 512 tokens")
+    _one_line(["generate", str(tiny_checkpoint), "--prompt", "the cat sat on the mat. " * 200], capsys,
+              "exceeds the model's context length of 512 tokens")
+    _one_line(["generate", str(tiny_checkpoint), "--prompt", "bad \udcff\udcfe bytes"], capsys, "not valid UTF-8")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--seed", str(10**20)])
+    assert e.value.code == 2 and "--seed" in capsys.readouterr().err
