@@ -382,3 +382,20 @@ def test_generate_refuses_what_the_model_cannot_hold(tiny_checkpoint, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--seed", str(10**20)])
     assert e.value.code == 2 and "--seed" in capsys.readouterr().err
+
+
+def test_rows_that_are_not_whole_quant_blocks(tiny_checkpoint, tmp_path, capsys):
+    """A quantized tensor's ne[0] must be a multiple of its block size (gguf.cpp); said naming the tensor."""
+    path = tmp_path / "rows.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    r = GGUFReader(path)
+    (t,) = [t for t in r.tensors if t.name == "blk.1.attn_k_b.weight"]
+    assert t.tensor_type == Q.Q8_0 and int(t.shape[0]) % 32 == 0
+    at = t.field.offset + sum(p.nbytes for p in t.field.parts[:3])  # name len, name, n_dims -> ne[0]
+    ne0 = int(t.shape[0])
+    del r, t
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(struct.pack("<Q", ne0 - 1))
+    _one_line(["inspect", str(path)], capsys, path.name, "blk.1.attn_k_b.weight",
+              f"rows of {ne0 - 1} Q8_0 values are not whole 32-value blocks")
