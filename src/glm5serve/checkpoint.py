@@ -410,25 +410,21 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
     indexer tensors of shared layers are left out). ``mtp_shared_tensors``: also write the optional
     ``nextn.embed_tokens`` / ``nextn.shared_head_head``. Same arguments -> same bytes.
 
-    Raises ValueError for an unknown preset/mix or an impossible split, RuntimeError when a needed quantizer
-    (or llama.cpp for ``llama-q4_k_m``) is missing.
+    Raises ValueError before any work for an unknown preset/mix or an impossible split (``llama-q4_k_m`` too: its
+    split count is checked against the bf16 tensor count, not after llama.cpp's quantize), RuntimeError when a
+    needed quantizer (or llama.cpp for ``llama-q4_k_m``) is missing.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r} (expected one of {', '.join(MIXES)})")
-    if mix == "llama-q4_k_m":
-        return _llama_quantized(Path(out_dir), preset, split, seed, indexer_types, mtp_shared_tensors, progress)
     p = PRESETS[preset]
     cfg = preset_config(p, indexer_types)
-    state = HFWeights(cfg, seed, mtp_shared_tensors, p.routed_expert_gain)
     n_tensors = sum(1 for s in schema.expected_tensors(cfg) if _wanted(s, mtp_shared_tensors))
-    per_file = math.ceil(n_tensors / split) if split > 1 else 0
-    if split < 1:
-        raise ValueError(f"--split must be >= 1, not {split}")
-    if split > 1 and math.ceil(n_tensors / per_file) != split:
-        raise ValueError(f"cannot split {n_tensors} tensors into {split} files: {per_file} per file (every file but "
-                         f"the last full, as gguf-split writes them) fills {math.ceil(n_tensors / per_file)}")
+    per_file = _per_file(n_tensors, split)  # before any work: llama-q4_k_m quantizes the same tensors
+    if mix == "llama-q4_k_m":
+        return _llama_quantized(Path(out_dir), preset, split, seed, indexer_types, mtp_shared_tensors, progress)
+    state = HFWeights(cfg, seed, mtp_shared_tensors, p.routed_expert_gain)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -454,6 +450,20 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
     writer.write_tensors_to_file(progress=False)
     writer.close()
     return out_dir / (f"{stem}-00001-of-{split:05d}.gguf" if split > 1 else f"{stem}.gguf")
+
+
+def _per_file(n_tensors: int, split: int) -> int:
+    """Tensors per file when ``n_tensors`` are written as ``split`` files (0 for one file: GGUFWriter's no split);
+    ValueError when ``split`` is < 1 or cannot come out of gguf-split's rule."""
+    if split < 1:
+        raise ValueError(f"--split must be >= 1, not {split}")
+    if split == 1:
+        return 0
+    per_file = math.ceil(n_tensors / split)
+    if math.ceil(n_tensors / per_file) != split:
+        raise ValueError(f"cannot split {n_tensors} tensors into {split} files: {per_file} per file (every file but "
+                         f"the last full, as gguf-split writes them) fills {math.ceil(n_tensors / per_file)}")
+    return per_file
 
 
 def _llama_quantized(out_dir: Path, preset: str, split: int, seed: int, indexer_types, mtp_shared_tensors,
@@ -488,12 +498,7 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
     from gguf import GGUFReader, GGUFValueType
 
     r = GGUFReader(src)
-    n = len(r.tensors)
-    per_file = math.ceil(n / split)
-    if math.ceil(n / per_file) != split:
-        raise ValueError(f"cannot split {n} tensors into {split} files: {per_file} per file (every file but the "
-                         f"last full, as gguf-split writes them) fills {math.ceil(n / per_file)}")
-    w = GGUFWriter(out_dir / f"{stem}.gguf", ARCH, split_max_tensors=per_file)
+    w = GGUFWriter(out_dir / f"{stem}.gguf", ARCH, split_max_tensors=_per_file(len(r.tensors), split))
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue

@@ -41,6 +41,18 @@ def test_bad_arguments(tmp_path):
         make_checkpoint(tmp_path, "tiny", "bf16", split=200)
 
 
+@pytest.mark.parametrize("split, want", [("0", "--split must be >= 1, not 0"), ("-1", "--split must be >= 1, not -1"),
+                                         ("1000", "cannot split 94 tensors into 1000 files")])
+def test_llama_q4_k_m_split_is_checked_before_any_work(tmp_path, capsys, split, want):
+    """As for the other mixes: one line, exit 2, nothing written (no bf16 build, no llama.cpp quantize)."""
+    from glm5serve.cli import main
+
+    out = tmp_path / "out"
+    assert main(["make-checkpoint", str(out), "--mix", "llama-q4_k_m", "--split", split]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"glm5serve make-checkpoint: {want}") and err.count("\n") == 1 and not out.exists()
+
+
 def test_metadata_is_what_the_converter_writes(tiny_bf16_checkpoint):
     r = GGUFReader(tiny_bf16_checkpoint)
     md = {k: f.contents() for k, f in r.fields.items()}
