@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from glm5serve.errors import GGUFModelError
@@ -39,6 +40,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add = getattr(module, "add_parser", None)
         if add is not None:
             add(sub)
+    for p in sub.choices.values():  # descriptions come from docstrings: no reST markup in --help
+        p.description = p.description and re.sub(r"(:\w+:)?``?([^`]+)``?", r"\2", p.description)
     return parser
 
 

@@ -161,7 +161,8 @@ def add_parser(subparsers) -> None:
     """Register ``synthetic-gguf`` with the ``glm5serve`` argparse sub-commands."""
     p = subparsers.add_parser("synthetic-gguf", help="write a GLM-5 GGUF header without tensor data (for "
                               f"--load-format {LOAD_FORMAT}: benchmark without the weights)",
-                              description=write_header.__doc__.split("\n\n")[0])
+                              description="Write a GLM-5 GGUF header: metadata, tokenizer and every tensor's name, "
+                                          "type and shape, with a data section that is a hole (a sparse file).")
     p.add_argument("out", help="GGUF file to write")
     p.add_argument("--preset", choices=sorted({**PRESETS, **FULL_PRESETS}), default="glm5",
                    help="model dimensions (default glm5: the real GLM-5)")
@@ -177,6 +178,6 @@ def _run(args) -> int:
     except ValueError as e:
         raise GGUFModelError(str(e)) from None
     st = os.stat(path)
-    print(f"{path}: {st.st_size / 1e9:.1f} GB of GGUF ({st.st_blocks * 512 / 1e6:.1f} MB on disk): serve it with "
+    print(f"{path}: {st.st_size / 1e9:.3g} GB of GGUF ({st.st_blocks * 512 / 1e6:.3g} MB on disk): serve it with "
           f"--load-format {LOAD_FORMAT}")
     return 0

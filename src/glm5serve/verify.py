@@ -239,7 +239,9 @@ def verify(path, tp: int = 1, checks: list[Callable[[Context], list[Check]]] | N
 def add_parser(subparsers) -> None:
     """Register ``verify`` with the ``glm5serve`` argparse sub-commands."""
     p = subparsers.add_parser("verify", help="statically verify a GLM-5 GGUF (metadata, tensors, types, TP, values)",
-                              description=__doc__.split("\n\n")[0])
+                              description=__doc__.split("\n\n")[0],
+                              epilog="exit status: 0 every check passed, 1 a check failed (its FAIL line says "
+                                     "which), 2 bad arguments")
     p.add_argument("model", nargs="?", help="GGUF file or shard 1 of a split set (default: the embedded checkpoint)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check compatibility for (default 1)")
     p.add_argument("--engine", choices=("vllm",), help="then run the model: vLLM eager vs the reference engine, "

@@ -145,3 +145,10 @@ def test_a_command_imports_only_its_own_module(tiny_checkpoint):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[-2] == "0 []", out
     assert set(build_parser("inspect")._subparsers._group_actions[0].choices) == {"inspect"}
+
+
+def test_help_shows_no_rest_markup():
+    """Sub-command descriptions are taken from docstrings; ``--help`` must not print their reST markup."""
+    for name, p in build_parser()._subparsers._group_actions[0].choices.items():
+        text = p.format_help()
+        assert "``" not in text and ":mod:" not in text and ":func:" not in text, (name, text)
