@@ -93,7 +93,7 @@ def gemma3_gguf() -> Path:
 def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, replace=None, drop_keys=(),
             set_keys=None) -> Path:
     """Copy a single-file GGUF through gguf-py, dropping/adding/replacing tensors (name -> (array, raw_dtype))
-    and metadata keys."""
+    and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type)."""
     import numpy as np
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
@@ -104,7 +104,10 @@ def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, r
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
             continue
         sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, set_keys.get(key, f.contents()), f.types[0], sub_type=sub)
+        value, vtype = set_keys.get(key, f.contents()), f.types[0]
+        if isinstance(value, tuple):
+            (value, vtype), sub = value, None
+        w.add_key_value(key, value, vtype, sub_type=sub)
     for t in r.tensors:
         if t.name in drop:
             continue

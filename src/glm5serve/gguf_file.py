@@ -172,8 +172,10 @@ class GGUFModel:
         for i, (p, r) in enumerate(zip(self.paths, self.readers)):
             if count > 1:
                 no = r.fields.get(SPLIT_NO)
-                if no is None or int(no.contents()) != i:
-                    raise GGUFModelError(f"{SPLIT_NO} is missing or not {i}", file=str(p))
+                if no is None or int(no.contents()) != i:  # split.no counts from 0, file names from 1
+                    got = "missing" if no is None else int(no.contents())
+                    raise GGUFModelError(f"{SPLIT_NO} is {got}, but shard {i + 1} of the set needs {SPLIT_NO}={i}",
+                                         file=str(p))
             size = p.stat().st_size
             for t in r.tensors:
                 if t.name in self.tensors:

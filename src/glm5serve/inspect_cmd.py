@@ -65,6 +65,7 @@ def print_table(model: GGUFModel, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    s = summarize(model)  # first: a bad metadata value is one error line, not a table and then an error
     console = Console(file=file or sys.stdout, width=120)
     multi = len(model.paths) > 1
     table = Table(title=f"{model.path.name}: {len(model)} tensors", show_lines=False)
@@ -79,7 +80,6 @@ def print_table(model: GGUFModel, file=None) -> None:
         table.add_row(*row)
     console.print(table)
 
-    s = summarize(model)
     summary = Table(title="summary", show_header=False)
     summary.add_column("key")
     summary.add_column("value", justify="right")

@@ -399,3 +399,22 @@ def test_rows_that_are_not_whole_quant_blocks(tiny_checkpoint, tmp_path, capsys)
         fh.write(struct.pack("<Q", ne0 - 1))
     _one_line(["inspect", str(path)], capsys, path.name, "blk.1.attn_k_b.weight",
               f"rows of {ne0 - 1} Q8_0 values are not whole 32-value blocks")
+
+
+def test_inspect_prints_nothing_before_a_metadata_error(tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    from gguf import GGUFValueType
+
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "typed.gguf",
+                        set_keys={"glm-dsa.expert_count": ("sixteen", GGUFValueType.STRING)})
+    _one_line(["inspect", str(path)], capsys, path.name, "glm-dsa.expert_count is 'sixteen', expected an integer")
+
+
+def test_a_shard_with_the_wrong_split_number(tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """split.no counts from 0 while file names count from 1: the message gives both."""
+    paths = GGUFModel(tiny_split_checkpoint).paths
+    for p in paths:
+        shutil.copy(p, tmp_path / p.name)
+    second = tmp_path / paths[1].name
+    gguf_rewrite(paths[1], second, set_keys={"split.no": 2})
+    _one_line(["inspect", str(tmp_path / paths[0].name)], capsys, second.name,
+              "split.no is 2, but shard 2 of the set needs split.no=1")
