@@ -88,7 +88,7 @@ class _Reader(GGUFReader):
     previous tensor's padded data ends (so no two tensors overlap), and data inside the file."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size, expected = len(self.data), 0
+        size, expected, previous = len(self.data), 0, None
         for field in fields:
             _, name, _, dims, raw_dtype, offset = field.parts
             tensor = bytes(name).decode("utf-8", "replace")
@@ -101,12 +101,13 @@ class _Reader(GGUFReader):
                 raise _TensorProblem(tensor, f"rows of {int(dims[0])} {qtype.name} values are not whole "
                                              f"{block}-value blocks")
             if int(offset[0]) != expected:
-                raise _TensorProblem(tensor, f"data offset {int(offset[0])} is not {expected}, where the previous "
-                                             "tensor's padded data ends (overlapping or misplaced tensor data)")
+                after = f"where {previous}'s padded data ends" if previous else "the start of the data section"
+                raise _TensorProblem(tensor, f"data offset {int(offset[0])} is not {expected}, {after} "
+                                             "(overlapping or misplaced tensor data, or a wrong type or shape before)")
             n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
             if start_offs + expected + n_bytes > size:
                 raise _TensorProblem(tensor, "truncated file: tensor data runs past the end of the file")
-            expected += -(-n_bytes // self.alignment) * self.alignment
+            expected, previous = expected + -(-n_bytes // self.alignment) * self.alignment, tensor
         super()._build_tensors(start_offs, fields)
 
 
