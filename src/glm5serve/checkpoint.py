@@ -412,7 +412,8 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
 
     Raises ValueError before any work for an unknown preset/mix or an impossible split (``llama-q4_k_m`` too: its
     split count is checked against the bf16 tensor count, not after llama.cpp's quantize), RuntimeError when a
-    needed quantizer (or llama.cpp for ``llama-q4_k_m``) is missing.
+    needed quantizer (or llama.cpp for ``llama-q4_k_m``) is missing, OSError naming the file when the files cannot
+    be written (a full disk, a size limit; none of them is left behind).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
@@ -445,11 +446,18 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
         qtype = tensor_type(s, mix, p)
         data = encode(a, qtype)
         writer.add_tensor(s.gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
-    return out_dir / (f"{stem}-00001-of-{split:05d}.gguf" if split > 1 else f"{stem}.gguf")
+    files = [out_dir / f"{stem}-{i:05d}-of-{split:05d}.gguf" for i in range(1, split + 1)] if split > 1 else [path]
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+    except OSError as e:  # a full disk or a file size limit: no half-written model left behind, the path named
+        for f in files:
+            f.unlink(missing_ok=True)
+        what = f"the {split}-file checkpoint" if split > 1 else "the checkpoint"
+        raise OSError(e.errno, f"cannot write {what} ({e.strerror or e}); nothing was kept", str(files[0])) from None
+    return files[0]
 
 
 def _per_file(n_tensors: int, split: int) -> int:

@@ -349,3 +349,28 @@ def test_narrow_preset(narrow_checkpoint, subprocess_json):
     prompt = tok.encode("The harbour town woke slowly that morning.", add_special_tokens=False)
     got = subprocess_json(LLAMA_GENERATE, {"model": str(narrow_checkpoint), "prompt": prompt, "n": 8})
     assert len(got["tokens"]) == 8 and got["finite"]
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_failed_write_names_the_file_and_leaves_nothing(split, tmp_path):
+    """A full disk (here: a 2 MB file size limit, SIGXFSZ ignored, so write() fails with EFBIG) used to print
+    '589824 requested and 304704 written' without a path and leave truncated .gguf files that later read as
+    'truncated file'."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
+
+    out = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "tiny",
+                           "--mix", "f32", "--split", str(split)], capture_output=True, text=True, preexec_fn=limit,
+                          timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]  # after the progress bar
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    first = "glm5-tiny-f32.gguf" if split == 1 else "glm5-tiny-f32-00001-of-00003.gguf"
+    assert last.startswith(f"glm5serve make-checkpoint: {out / first}: cannot write the "), last
+    assert list(out.iterdir()) == []
