@@ -534,15 +534,9 @@ def _check_runnable(args) -> None:
     import torch
 
     from glm5serve.gguf_file import GGUFModel
-    from glm5serve.synthetic import is_synthetic
+    from glm5serve.synthetic import check_load_format
 
-    synthetic = is_synthetic(GGUFModel(args.model))
-    if synthetic and args.load_format != "glm5-synthetic":
-        raise GGUFModelError("synthetic header without tensor data: add --load-format glm5-synthetic",
-                             file=str(args.model))
-    if not synthetic and args.load_format == "glm5-synthetic":
-        raise GGUFModelError("--load-format glm5-synthetic needs a header from glm5serve synthetic-gguf",
-                             file=str(args.model))
+    check_load_format(GGUFModel(args.model), args.load_format)
     if torch.cuda.device_count() < args.tp:
         raise GGUFModelError(f"needs {args.tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run "
                              "GLM-5's sparse attention on a CPU")

@@ -95,6 +95,19 @@ def is_synthetic(model) -> bool:
     return bool(model.metadata.get(SYNTHETIC_KEY, False))
 
 
+def check_load_format(model, load_format: str) -> None:
+    """Raise GGUFModelError naming ``model`` (a GGUFModel) when ``load_format`` does not fit its data: a header
+    without ``--load-format glm5-synthetic`` (vLLM would read the hole), or real weights with it (they would be
+    replaced by random ones without a word)."""
+    synthetic = is_synthetic(model)
+    if synthetic and load_format != LOAD_FORMAT:
+        raise GGUFModelError(f"synthetic header without tensor data: add --load-format {LOAD_FORMAT}",
+                             file=str(model.path))
+    if not synthetic and load_format == LOAD_FORMAT:
+        raise GGUFModelError(f"--load-format {LOAD_FORMAT} needs a header from glm5serve synthetic-gguf (this file "
+                             "has real weights)", file=str(model.path))
+
+
 def refuse_synthetic(model) -> None:
     """Raise GGUFModelError if ``model`` (a GGUFModel) has no tensor data: a load must not read its hole."""
     if is_synthetic(model):

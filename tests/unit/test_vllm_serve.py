@@ -92,3 +92,12 @@ def test_serve_refuses_without_a_gpu_or_with_a_header_and_no_synthetic_format(ti
     assert main(["serve", str(header)]) == 2
     err = capsys.readouterr().err
     assert "--load-format glm5-synthetic" in err and err.strip().count("\n") == 0
+
+
+def test_serve_refuses_real_weights_with_the_synthetic_load_format(tiny_checkpoint, capsys):
+    """--load-format glm5-synthetic would replace real weights by random ones without a word: refused, --dry-run
+    included, as bench refuses it."""
+    for extra in ([], ["--dry-run"]):
+        assert main(["serve", str(tiny_checkpoint), "--load-format", "glm5-synthetic", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and tiny_checkpoint.name in err and "needs a header from" in err, err

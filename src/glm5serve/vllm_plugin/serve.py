@@ -89,9 +89,11 @@ def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
 def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
 
-    Raises GGUFModelError for a file ``glm5serve verify --tp`` rejects (with verify's message).
+    Raises GGUFModelError for a file ``glm5serve verify --tp`` rejects (with verify's message), or whose data does
+    not fit ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`).
     """
     from glm5serve import verify
+    from glm5serve.synthetic import check_load_format
 
     ctx = verify.Context(str(path), tp)
     for check in (verify.check_open, verify.check_metadata, verify.check_tensors, verify.check_types,
@@ -100,6 +102,7 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
             if not result.ok:
                 raise GGUFModelError(result.detail)
     model, cfg = ctx.model, ctx.cfg
+    check_load_format(model, option(vllm_args, "--load-format", default="auto"))
     types: dict[str, int] = {}
     for t in model:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
@@ -151,21 +154,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'vLLM':>18}: {' '.join(cmd)}", flush=True)
     if dry_run:
         return 0
-    _check_runnable(args.model, vllm_args, tp)
+    _check_runnable(tp)
     os.execv(cmd[0], cmd)
     return 1  # pragma: no cover (execv does not return)
 
 
-def _check_runnable(model, vllm_args: list[str], tp: int) -> None:
-    """Refuse in one line what vLLM would only fail on after a long start: fewer CUDA GPUs than ``tp``, a synthetic
-    header without ``--load-format glm5-synthetic``."""
+def _check_runnable(tp: int) -> None:
+    """Refuse in one line what vLLM would only fail on after a long start: fewer CUDA GPUs than ``tp``."""
     import torch
 
-    from glm5serve.gguf_file import GGUFModel
-    from glm5serve.synthetic import LOAD_FORMAT, is_synthetic
-
-    if is_synthetic(GGUFModel(model)) and option(vllm_args, "--load-format", default="auto") != LOAD_FORMAT:
-        raise GGUFModelError(f"synthetic header without tensor data: add --load-format {LOAD_FORMAT}", file=str(model))
     if torch.cuda.device_count() < tp:
         raise GGUFModelError(f"needs {tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run GLM-5's "
                              "sparse attention on a CPU (--dry-run prints the settings)")
