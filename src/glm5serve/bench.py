@@ -147,8 +147,8 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) ->
     not, kernel launch latency and replicated work), so ``w = 2 (t1 - t2 + n r)``, ``a = t1 - w``, and
     ``t(target_tp) = a + w / target_tp + n r``, assuming an all-reduce over ``target_tp`` GPUs costs what one over
     2 cost and ``n`` grows by 2 per layer. Returns a dict labelled ``"projection"``; entries that lack data say why.
-    Raises ValueError where the data give a negative per-layer time or a projected step time <= 0 (records that
-    contradict the model: noise, or runs that do not belong together).
+    Where the data give a negative per-layer time or a projected step time <= 0 (noise, or runs that do not belong
+    together) that entry is not projected and says why, like an entry that lacks data.
     """
     out = {"label": "projection (not a measurement)", "target_layers": target_layers, "target_tp": target_tp,
            "layers": {}, "tp": {}}
@@ -172,11 +172,13 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) ->
             entry[str(c)] = {"points": pts, "missing": "needs runs at two or more layer counts"}
             continue
         slope, intercept = fit_line(pts)
-        at_target[(tp, mode, c)] = step = slope * target_layers + intercept
+        step = slope * target_layers + intercept
         if slope < 0 or step <= 0:
-            raise ValueError(f"tp{tp} {mode} c={c}: the line through (layers, step ms) {sorted(pts)} gives "
-                             f"{slope:.3f} ms/layer and {step:.2f} ms at {target_layers} layers; a projection "
-                             "needs step times that grow with the layers")
+            entry[str(c)] = {"points": pts, "missing": f"not projected: the line through (layers, step ms) "
+                             f"{sorted(pts)} gives {slope:.3f} ms/layer and {step:.2f} ms at {target_layers} layers "
+                             "(step times must grow with the layers)"}
+            continue
+        at_target[(tp, mode, c)] = step
         entry[str(c)] = {"points": pts, "ms_per_layer": slope, "intercept_ms": intercept, **_speed(step, c)}
     for (tp, mode, c), t1 in sorted(at_target.items()):
         if tp != 1:
@@ -193,8 +195,10 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) ->
         a = t1 - w
         step = a + w / target_tp + r_ms
         if step <= 0:
-            raise ValueError(f"{mode} c={c}: TP=1 {t1:.2f} ms and TP=2 {t2:.2f} ms per step at {target_layers} layers "
-                             f"give {step:.2f} ms at TP={target_tp} (a {a:.2f} ms, w {w:.2f} ms)")
+            entry[str(c)] = {"missing": f"not projected: TP=1 {t1:.2f} ms and TP=2 {t2:.2f} ms per step at "
+                             f"{target_layers} layers give {step:.2f} ms at TP={target_tp} (a {a:.2f} ms, "
+                             f"w {w:.2f} ms)"}
+            continue
         entry[str(c)] = {"tp1_ms": t1, "tp2_ms": t2, "allreduce_us_per_call": per_call_us, "allreduce_calls": n,
                          "a_ms": a, "w_ms": w, **_speed(step, c)}
         if a < 0 or w < 0:
@@ -552,10 +556,7 @@ def _run(args) -> int:
         if args.target_layers < 1 or args.target_tp < 1:
             raise GGUFModelError("--target-layers and --target-tp must be >= 1")
         records = [_read_record(f) for f in args.projection]
-        try:
-            out = project(records, args.target_layers, args.target_tp)
-        except ValueError as e:
-            raise GGUFModelError(f"cannot project {', '.join(args.projection)}: {e}") from None
+        out = project(records, args.target_layers, args.target_tp)
         print(format_projection(out))
     else:
         if args.model is None:
