@@ -72,6 +72,8 @@ def _temperature(value: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from glm5serve.config import eog_token_ids
+    from glm5serve.gguf_file import GGUFModel
     from glm5serve.reference import ReferenceModel
     from glm5serve.tokenizer import tokenizer_from_gguf
 
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         from glm5serve.cache import default_checkpoint
 
         args.model = str(default_checkpoint())
-    tok = tokenizer_from_gguf(args.model)
+    gguf = GGUFModel(args.model)
+    tok = tokenizer_from_gguf(gguf)
     model = ReferenceModel.from_gguf(args.model, dtype=DTYPES[args.dtype], mla=args.mla,
                                      qa_kv_norm_eps=args.qa_kv_norm_eps)
     if args.logprobs > model.cfg.vocab_size:
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.max_tokens} exceeds the model's context length of {n_ctx} tokens (glm-dsa.context_length)",
               file=sys.stderr)
         return 2
-    stop = {i for i in (tok.eos_token_id, model.cfg.eos_token_id) if i is not None}
+    stop = set(eog_token_ids(gguf)) | {i for i in (tok.eos_token_id, model.cfg.eos_token_id) if i is not None}
     out = sys.stdout
     out.write(args.prompt)
     out.flush()

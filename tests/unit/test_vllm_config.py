@@ -160,3 +160,41 @@ def test_glm52_shared_indexer_layers_become_vllms_topk_pattern(registered, tmp_p
     path = make_checkpoint(tmp_path, "tiny", "bf16", indexer_types=["full", "shared", "full"])
     cfg = glm5_config(str(path))
     assert cfg.indexer_types == ["full", "shared", "full"] and cfg.index_topk_pattern == "FSF"
+
+
+def test_vllm_stops_on_every_end_of_generation_token(registered, tiny_checkpoint):
+    """The GGUF names three end-of-generation tokens (eos <|endoftext|>, eot <|user|>, eom <|observation|>), as
+    llama.cpp's special_eog_ids and GLM's generation_config.json have them. vLLM must stop on all three: through
+    vLLM's own code, the generation config of the model config it builds and a request's SamplingParams."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    from glm5serve.gguf_file import GGUFModel
+
+    md = GGUFModel(tiny_checkpoint).metadata
+    eos, eot, eom = (int(md[f"tokenizer.ggml.{r}_token_id"]) for r in ("eos", "eot", "eom"))
+    assert len({eos, eot, eom}) == 3
+    mc = EngineArgs(model=str(tiny_checkpoint), enforce_eager=True).create_model_config()
+    gen = mc.try_get_generation_config()
+    assert gen["eos_token_id"] == [eos, eot, eom], gen
+    sp = SamplingParams(max_tokens=8)
+    sp.update_from_generation_config(gen, eos)
+    assert sorted(sp.stop_token_ids) == sorted([eot, eom]) and sp.eos_token_id == eos
+
+
+def test_generate_stops_at_the_end_of_the_turn(tiny_checkpoint, monkeypatch, capsys):
+    """``glm5serve generate`` stops on eot and eom as on eos (llama.cpp's llama-cli does the same)."""
+    from glm5serve.cli import main
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.reference import ReferenceModel
+
+    md = GGUFModel(tiny_checkpoint).metadata
+    seen, orig = [], ReferenceModel.stream
+
+    def stream(self, ids, n, **kw):
+        seen.append(set(kw["stop_ids"]))
+        return orig(self, ids, n, **kw)
+
+    monkeypatch.setattr(ReferenceModel, "stream", stream)
+    assert main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--max-tokens", "2"]) == 0
+    assert seen == [{int(md[f"tokenizer.ggml.{r}_token_id"]) for r in ("eos", "eot", "eom")}]

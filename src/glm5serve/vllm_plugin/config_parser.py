@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vllm_gguf_plugin.config_parser import GGUFConfigParser
 
-from glm5serve.config import ARCH
+from glm5serve.config import ARCH, eog_token_ids
 
 #: the modules whose code decides what :func:`hf_folder` writes: a change to any of them makes a fresh folder
 WRITERS = ("config", "tokenizer", "vllm_plugin.config_parser")
@@ -93,7 +93,10 @@ def hf_folder(gguf_path) -> Path:
     try:
         cfg = glm5_config(model)
         cfg.save_pretrained(tmp)
-        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        gen = GenerationConfig.from_model_config(cfg)
+        if len(eog := eog_token_ids(model)) > 1:  # vLLM adds the others to every request's stop_token_ids
+            gen.eos_token_id = eog
+        gen.save_pretrained(tmp)
         tokenizer_from_gguf(model).save_pretrained(tmp)
         try:
             tmp.rename(out)
