@@ -69,6 +69,8 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
             raise GGUFModelError("no such file", file=str(p))
         return [p]
     count = int(m["count"])
+    if not 1 <= int(m["no"]) <= count:
+        raise GGUFModelError(f"the file name says shard {int(m['no'])} of {count}: not a split set", file=str(p))
     paths = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     for q in paths:
         if not q.is_file():

@@ -3,8 +3,9 @@
 GLM-5 ships a GPT-2-style byte-level BPE (``tokenizer.ggml.model = gpt2``) with the ``glm4`` pre-tokenizer. llama.cpp
 maps ``glm4`` to ``LLAMA_VOCAB_PRE_TYPE_CHATGLM4`` (``src/llama-vocab.cpp``), whose split regex is the GPT-4
 (cl100k) one below -- the same ``Split`` regex as the ``pre_tokenizer`` of GLM's HF ``tokenizer.json``, followed by
-``ByteLevel(use_regex=False)``. Token types follow gguf-py ``TokenType``: CONTROL tokens are special (parsed only
-when asked), USER_DEFINED tokens are always matched whole, UNUSED tokens (``[PADn]``) are never produced.
+``ByteLevel(use_regex=False)``. Token types follow gguf-py ``TokenType``: CONTROL tokens are special tokens (their
+text in a prompt becomes the token, as with llama.cpp's ``parse_special`` and vLLM; ``skip_special_tokens`` drops
+them on decode), USER_DEFINED tokens are always matched whole, UNUSED tokens (``[PADn]``) are never produced.
 """
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     become special added tokens and USER_DEFINED ones plain added tokens, both with their GGUF ids. No BOS/EOS is
     added on encode (llama.cpp adds none for ``glm4``; the chat template writes ``[gMASK]<sop>``).
     Raises GGUFModelError (naming the file) for a model whose ``general.architecture`` is not ``glm-dsa`` (a plain
-    dict may omit the key), a non-``gpt2`` model, an unknown pre-tokenizer or missing arrays.
+    dict may omit the key), a non-``gpt2`` model, an unknown pre-tokenizer, missing arrays, or a merge that is not
+    two tokens of the vocabulary.
     """
     from glm5serve.gguf_file import GGUFModel
 
@@ -133,8 +135,14 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFModelError("tokenizer.ggml.tokens holds duplicate tokens", file=path)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False, byte_fallback=False))
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in merges]
+    if (bad := next((i for i, p in enumerate(pairs) if len(p) != 2), None)) is not None:
+        raise GGUFModelError(f"tokenizer.ggml.merges[{bad}] is {merges[bad]!r}, not two tokens separated by a space",
+                             file=path)
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False, byte_fallback=False))
+    except Exception as e:  # the tokenizers library's words, e.g. "Token 'zz' out of vocabulary"
+        raise GGUFModelError(f"tokenizer.ggml.merges: {e}", file=path) from None
     tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

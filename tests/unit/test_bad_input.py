@@ -421,3 +421,21 @@ def test_a_shard_with_the_wrong_split_number(tiny_split_checkpoint, tmp_path, gg
     gguf_rewrite(paths[1], second, set_keys={"split.no": 2})
     _one_line(["inspect", str(tmp_path / paths[0].name)], capsys, second.name,
               "split.no is 2, but shard 2 of the set needs split.no=1")
+
+
+@pytest.mark.parametrize("bad_merge,words", [("zz qq", "tokenizer.ggml.merges: "),
+                                             ("a", "tokenizer.ggml.merges[0] is 'a', not two tokens")])
+def test_malformed_merges_are_one_line(bad_merge, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """A merge naming a token outside the vocabulary, or not a pair, gave the tokenizers library's traceback in
+    ``generate`` (``verify`` already failed it cleanly)."""
+    merges = list(GGUFModel(tiny_checkpoint).metadata["tokenizer.ggml.merges"])
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "merges.gguf",
+                        set_keys={"tokenizer.ggml.merges": [bad_merge] + merges})
+    _one_line(["generate", str(path), "--prompt", "hi"], capsys, path.name, words)
+    _verify_fail(path, capsys, words)
+
+
+def test_a_split_name_that_numbers_no_shard(tiny_checkpoint, tmp_path, capsys):
+    path = tmp_path / "z-00000-of-00000.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    _one_line(["inspect", str(path)], capsys, path.name, "shard 0 of 0: not a split set")
