@@ -34,6 +34,7 @@ Deliberate choices, all selectable:
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -159,6 +160,8 @@ class ReferenceModel:
         self.cfg, self.w = cfg, weights
         self.mla, self.sparse = mla, sparse
         self.qa_kv_norm_eps = float(cfg.rms_norm_eps if qa_kv_norm_eps == "rms_norm_eps" else qa_kv_norm_eps)
+        if not (math.isfinite(self.qa_kv_norm_eps) and self.qa_kv_norm_eps > 0):  # NaN logits otherwise
+            raise ValueError(f"qa_kv_norm_eps must be a positive finite number, not {qa_kv_norm_eps!r}")
         self.n_layers = cfg.num_hidden_layers if num_layers is None else _check_num_layers(num_layers, cfg)
         #: False for a partial model (``num_layers`` given): no final norm or output head, hidden states only
         self.has_head = num_layers is None
@@ -379,12 +382,21 @@ class ReferenceModel:
         ``num_hidden_layers + 1`` fp32 (T, H) tensors: the embeddings, then the residual stream after each layer
         (what a forward hook on transformers' ``GlmMoeDsaDecoderLayer`` returns), for locating a divergence.
         A partial model (``has_head`` False) has ``n_layers + 1`` of them, no logits (``(None, hidden)``) and
-        needs ``capture=True`` (ValueError otherwise).
+        needs ``capture=True`` (ValueError otherwise). ValueError too for ids that are not one integer sequence
+        (a batch, floats) or lie outside the vocabulary.
         """
         if not self.has_head and not capture:
             raise ValueError(f"this model holds only its first {self.n_layers} layers and no output head: "
                              "call it with capture=True for the hidden states")
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        ids = torch.as_tensor(input_ids, device=self.device)
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be one sequence of integer token ids, shape (T,), not "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        ids = ids.long()
+        vocab = self.w["model.embed_tokens.weight"].shape[0]
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):  # else an IndexError naming nothing
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + ids.numel(), device=self.device)
         cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
@@ -419,10 +431,15 @@ class ReferenceModel:
         """Yield ``(token_id, logprobs)`` for up to ``max_new_tokens`` new tokens, ``logprobs`` the (vocab,) fp32
         log-softmax the token was drawn from (before temperature). Prefill once, then one token per step
         through the KV cache. Greedy = argmax (lowest id on ties); otherwise sampling at ``temperature`` with a
-        ``torch.Generator`` seeded by ``seed``. Stops after yielding a token in ``stop_ids``.
+        ``torch.Generator`` seeded by ``seed``. Stops after yielding a token in ``stop_ids``. Raises ValueError
+        for an empty prompt, a negative ``max_new_tokens`` or, when sampling, a temperature that is not finite > 0.
         """
         if len(prompt_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
+        if not greedy and not (math.isfinite(temperature) and temperature > 0):  # -1 would invert the distribution
+            raise ValueError(f"sampling needs a finite temperature > 0, not {temperature}")
         cache = self.new_cache()
         gen = torch.Generator(device=self.device).manual_seed(seed)
         logits = self.forward(list(prompt_ids), cache)[-1]

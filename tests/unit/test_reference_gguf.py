@@ -159,3 +159,24 @@ def test_fp64_metamorphic_relations_on_checkpoint(tiny64, tok):
     dense = tiny64.forward(short)
     tiny64.sparse = True
     assert torch.equal(tiny64.forward(short), dense)
+
+
+def test_bad_arguments_are_errors_not_garbage(tiny, tiny_checkpoint):
+    """What a new-user trial got silently: a batch flattened into one sequence, float ids truncated, an id outside the
+    vocabulary as torch's bare IndexError, NaN logits from a NaN epsilon, sampling at a negative temperature from
+    the inverted distribution."""
+    vocab = tiny.cfg.vocab_size
+    for ids, words in (([[1, 2], [3, 4]], "shape (T,), not (2, 2)"), (torch.tensor([1.7, 2.2]), "torch.float32"),
+                       ([1, vocab], f"token id {vocab} is outside the vocabulary (0..{vocab - 1})"),
+                       ([-1, 2], "token id -1 is outside")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            tiny.forward(ids)
+    assert tiny.forward(torch.tensor([1, 2], dtype=torch.int32)).shape == (2, vocab)  # any integer dtype will do
+    for eps in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="qa_kv_norm_eps must be a positive finite number"):
+            ReferenceModel.from_gguf(tiny_checkpoint, qa_kv_norm_eps=eps)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        tiny.generate([1, 2], -1)
+    for t in (-1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="finite temperature > 0"):
+            tiny.generate([1, 2], 3, greedy=False, temperature=t)
