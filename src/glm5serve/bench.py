@@ -535,15 +535,12 @@ def _read_record(path) -> dict:
 def _check_runnable(args) -> None:
     """Refuse up front what would only fail inside vLLM: no CUDA GPU (or fewer than ``--tp``), a synthetic header
     without ``--load-format glm5-synthetic``, real weights with it."""
-    import torch
-
     from glm5serve.gguf_file import GGUFModel
     from glm5serve.synthetic import check_load_format
+    from glm5serve.vllm_plugin import require_gpus
 
     check_load_format(GGUFModel(args.model), args.load_format)
-    if torch.cuda.device_count() < args.tp:
-        raise GGUFModelError(f"needs {args.tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run "
-                             "GLM-5's sparse attention on a CPU")
+    require_gpus(args.tp)
 
 
 def _write_json(path, rec: dict) -> None:

@@ -253,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
     """Print one line per check and a verdict; 0 when every check passes, 1 otherwise."""
     if args.tp < 1:
         raise GGUFModelError(f"--tp must be at least 1, not {args.tp}")
+    if getattr(args, "engine", None) == "vllm":  # before minutes of static checks, not a vLLM traceback after
+        from glm5serve.vllm_plugin import require_gpus
+
+        require_gpus(args.tp)
     if args.model is None:
         from glm5serve.cache import default_checkpoint
 

@@ -152,3 +152,17 @@ def test_help_shows_no_rest_markup():
     for name, p in build_parser()._subparsers._group_actions[0].choices.items():
         text = p.format_help()
         assert "``" not in text and ":mod:" not in text and ":func:" not in text, (name, text)
+
+
+def test_verify_engine_vllm_says_what_it_needs_first(tiny_checkpoint, monkeypatch, capsys):
+    """On a machine without a GPU (this one), or without vLLM, ``verify --engine vllm`` says so in one line before
+    any check runs, not with a fragment of a vLLM traceback after the static checks."""
+    import importlib.util
+
+    assert main(["verify", str(tiny_checkpoint), "--engine", "vllm"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "needs 1 CUDA GPU(s), 0 visible" in err, (out, err)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["verify", str(tiny_checkpoint), "--engine", "vllm"]) == 2
+    assert "vLLM is not installed: pip install 'glm5serve[vllm]'" in capsys.readouterr().err

@@ -9,6 +9,22 @@ Importing this package does not import vLLM.
 from __future__ import annotations
 
 
+def require_gpus(tp: int) -> None:
+    """Raise GGUFModelError (one line) unless vLLM is installed and at least ``tp`` CUDA GPUs are visible: what a
+    vLLM engine would otherwise fail on only after a long start, or with a traceback from deep inside vLLM."""
+    import importlib.util
+
+    from glm5serve.errors import GGUFModelError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise GGUFModelError("vLLM is not installed: pip install 'glm5serve[vllm]'")
+    import torch
+
+    if torch.cuda.device_count() < tp:
+        raise GGUFModelError(f"needs {tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run GLM-5's "
+                             "sparse attention on a CPU")
+
+
 def register() -> None:
     """Register glm5serve with vLLM (idempotent; vLLM runs general plugins in no fixed order).
 

@@ -14,6 +14,7 @@ import sys
 from gguf import GGMLQuantizationType as Q
 
 from glm5serve.errors import GGUFModelError
+from glm5serve.vllm_plugin import require_gpus
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
@@ -154,15 +155,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'vLLM':>18}: {' '.join(cmd)}", flush=True)
     if dry_run:
         return 0
-    _check_runnable(tp)
+    require_gpus(tp)
     os.execv(cmd[0], cmd)
     return 1  # pragma: no cover (execv does not return)
-
-
-def _check_runnable(tp: int) -> None:
-    """Refuse in one line what vLLM would only fail on after a long start: fewer CUDA GPUs than ``tp``."""
-    import torch
-
-    if torch.cuda.device_count() < tp:
-        raise GGUFModelError(f"needs {tp} CUDA GPU(s), {torch.cuda.device_count()} visible: vLLM cannot run GLM-5's "
-                             "sparse attention on a CPU (--dry-run prints the settings)")
