@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from glm5serve import __version__
 from glm5serve.errors import GGUFModelError
 
 #: sub-command -> the module that registers it; only the named command's module is imported (torch and
@@ -28,6 +29,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     None or not one of :data:`COMMAND_MODULES`."""
     parser = argparse.ArgumentParser(prog="glm5serve", description="Serve GLM-5 from GGUF files and prove the "
                                                                    "output is right.")
+    parser.add_argument("--version", action="version", version=f"glm5serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     names = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else COMMAND_MODULES.values()
     for name in names:

@@ -166,3 +166,16 @@ def test_verify_engine_vllm_says_what_it_needs_first(tiny_checkpoint, monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     assert main(["verify", str(tiny_checkpoint), "--engine", "vllm"]) == 2
     assert "vLLM is not installed: pip install 'glm5serve[vllm]'" in capsys.readouterr().err
+
+
+def test_python_dash_m_and_version():
+    import subprocess
+    import sys
+
+    import glm5serve
+
+    proc = subprocess.run([sys.executable, "-m", "glm5serve", "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"glm5serve {glm5serve.__version__}", proc
+    proc = subprocess.run([sys.executable, "-m", "glm5serve", "frobnicate"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
