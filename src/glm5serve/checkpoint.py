@@ -410,7 +410,8 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
     indexer tensors of shared layers are left out). ``mtp_shared_tensors``: also write the optional
     ``nextn.embed_tokens`` / ``nextn.shared_head_head``. Same arguments -> same bytes.
 
-    Raises ValueError before any work for an unknown preset/mix or an impossible split (``llama-q4_k_m`` too: its
+    Raises ValueError before any work for an unknown preset/mix, a seed outside 0..2**32-1, an ``indexer_types``
+    entry other than ``full``/``shared``, or an impossible split (``llama-q4_k_m`` too: its
     split count is checked against the bf16 tensor count, not after llama.cpp's quantize), RuntimeError when a
     needed quantizer (or llama.cpp for ``llama-q4_k_m``) is missing, OSError naming the file when the files cannot
     be written (a full disk, a size limit; none of them is left behind).
@@ -419,6 +420,10 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
         raise ValueError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r} (expected one of {', '.join(MIXES)})")
+    if not 0 <= seed < 2**32:  # _rng reduces modulo 2**32: larger seeds would repeat smaller ones' weights
+        raise ValueError(f"--seed must be in 0..2**32-1, not {seed}")
+    if indexer_types is not None and (bad := [t for t in indexer_types if t not in ("full", "shared")]):
+        raise ValueError(f"indexer_types entries must be 'full' or 'shared', not {bad[0]!r}")
     p = PRESETS[preset]
     cfg = preset_config(p, indexer_types)
     n_tensors = sum(1 for s in schema.expected_tensors(cfg) if _wanted(s, mtp_shared_tensors))

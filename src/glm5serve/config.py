@@ -6,6 +6,7 @@ Key names follow gguf-py ``constants.Keys`` and what llama.cpp's converter write
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -55,14 +56,11 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
         if v is not None and metadata_value(a + key, v, int, path) != int(want):
             out.append(f"{a}{key}={int(v)} but the other keys give {int(want)}")
 
-    n_blocks = metadata_value(a + "block_count", md[a + "block_count"], int, path)
     eq("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     eq("attention.value_length", cfg.kv_lora_rank)
     eq("attention.head_count_kv", 1)
     if cfg.max_position_embeddings <= 0:
         out.append(f"{a}context_length={cfg.max_position_embeddings} is not positive")
-    if cfg.num_nextn_predict_layers >= n_blocks:
-        out.append(f"{a}nextn_predict_layers={cfg.num_nextn_predict_layers} is not below block_count={n_blocks}")
     if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
         out.append(f"{a}expert_used_count={cfg.num_experts_per_tok} not in 1..expert_count={cfg.n_routed_experts}")
     if cfg.first_k_dense_replace > cfg.num_hidden_layers:
@@ -114,7 +112,8 @@ def eog_token_ids(model) -> list[int]:
 
 
 def config_from_metadata(model) -> GlmMoeDsaConfig:
-    """Build a ``GlmMoeDsaConfig`` from a :class:`~glm5serve.gguf_file.GGUFModel` (or a plain metadata dict).
+    """Build a ``GlmMoeDsaConfig`` from a :class:`~glm5serve.gguf_file.GGUFModel`, a GGUF path, or a plain metadata
+    dict.
 
     ``num_hidden_layers`` excludes the MTP layers (``block_count - nextn_predict_layers``); the MTP count is kept
     as ``num_nextn_predict_layers``. Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set:
@@ -127,6 +126,10 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
     positive finite number).
     """
+    if isinstance(model, (str, os.PathLike)):
+        from glm5serve.gguf_file import GGUFModel
+
+        model = GGUFModel(model)
     md, path = _md(model)
     arch = md.get("general.architecture")
     if arch != ARCH:
@@ -153,6 +156,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
             raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file's tensors stop at blk.{last}", file=path)
     n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
+    if n_mtp < 0 or n_layers < 1:  # before transformers' own validation, which names neither key nor file
+        raise GGUFModelError(f"{ARCH}.block_count={n_blocks} with nextn_predict_layers={n_mtp} leaves {n_layers} "
+                             "main layers", file=path)
     rope_dim = req("rope.dimension_count")
     key_mla = req("attention.key_length_mla")
     gating = opt("expert_gating_func", GATING_SIGMOID)  # absent means sigmoid (llama.cpp glm-dsa loader)

@@ -173,3 +173,32 @@ def test_merge_kv_b_rejects_mismatched_parts(d):
         schema.merge_kv_b(torch.zeros(h, kvl, nope), torch.zeros(h, v, kvl + 1))
     with pytest.raises(ValueError):
         schema.split_kv_b(torch.zeros(h * (nope + v) + 1, kvl), h, nope, v)
+
+
+def test_config_from_a_path_and_block_counts_that_leave_no_layer(tiny_checkpoint, tmp_path):
+    """``config_from_metadata`` takes a path as the tokenizer builder does; a block_count that leaves no main
+    layer (or a negative MTP count) is one GGUFModelError naming both keys, not transformers' validation error."""
+    from glm5serve.config import config_from_metadata
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.gguf_file import GGUFModel
+
+    model = GGUFModel(tiny_checkpoint)
+    assert config_from_metadata(str(tiny_checkpoint)).to_dict() == config_from_metadata(model).to_dict()
+    md = dict(model.metadata)
+    for blocks, mtp in ((-1, 1), (1, 1), (4, -1)):
+        md.update({"glm-dsa.block_count": blocks, "glm-dsa.nextn_predict_layers": mtp})
+        with pytest.raises(GGUFModelError, match=f"block_count={blocks} with nextn_predict_layers={mtp} leaves"):
+            config_from_metadata(md)
+
+
+def test_make_checkpoint_refuses_seeds_and_indexer_types_it_cannot_honour(tmp_path):
+    """Seeds are reduced modulo 2**32 per tensor, so a larger one would silently repeat a smaller one's weights under
+    another file name; an indexer type other than full/shared was written as 'shared'."""
+    from glm5serve.checkpoint import make_checkpoint
+
+    for seed in (-1, 2**32):
+        with pytest.raises(ValueError, match=r"--seed must be in 0\.\.2\*\*32-1"):
+            make_checkpoint(tmp_path, "tiny", "f32", seed=seed)
+    with pytest.raises(ValueError, match="not 'bogus'"):
+        make_checkpoint(tmp_path, "tiny", "f32", indexer_types=["full", "bogus", "FULL"])
+    assert list(tmp_path.iterdir()) == []
