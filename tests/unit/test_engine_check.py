@@ -62,6 +62,9 @@ def test_cli_flag_runs_engine_checks_after_static_ones(tiny_checkpoint, referenc
     real = engine_check.engine_checks
     monkeypatch.setattr(engine_check, "engine_checks", lambda path, tp: real(
         path, tp, device="cpu", run=fake_runner({"eager": ref, "graphs": ref}, [])))
+    gpus = []  # the fake engine needs no GPU: stand in for the check that vLLM and the GPUs are there
+    monkeypatch.setattr("glm5serve.vllm_plugin.require_gpus", gpus.append)
     assert main(["verify", str(tiny_checkpoint), "--engine", "vllm"]) == 0
+    assert gpus == [1]
     out = capsys.readouterr().out
     assert "PASS  vllm-ref" in out and "PASS  graphs" in out and "verify: OK" in out
