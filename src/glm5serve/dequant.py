@@ -198,9 +198,12 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
     Raises:
         GGUFModelError: unsupported ``qtype`` (the message names it), a row byte count that is not a whole number
         of blocks, or a ``shape`` with a different number of elements.
+        ValueError: a ``dtype`` other than the three above.
 
     Source: gguf-py ``gguf/quants.py`` ``dequantize_blocks``; ggml ``ggml/src/ggml-quants.c`` ``dequantize_row_*``.
     """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, not {dtype}")
     name = _type_name(qtype)
     try:
         qtype = Q(int(qtype))

