@@ -28,6 +28,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GLM5SERVE_CACHE") or Path.home() / ".cache" / "glm5serve")
 
 
+def shareable(path: Path) -> None:
+    """Give a directory made by ``tempfile.mkdtemp`` (mode 0700) the mode ``mkdir`` would give it (0777 less the
+    umask) before it is renamed into the cache, so a ``$GLM5SERVE_CACHE`` shared between users stays readable."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o777 & ~mask)
+
+
 @lru_cache(maxsize=None)
 def code_digest(sources: tuple[str, ...] = _SOURCES) -> str:
     """12 hex digits identifying the code that writes a cached artefact: gguf-py's version and the source of the
@@ -60,6 +68,7 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
         try:
             path = make_checkpoint(tmp, preset, mix, split, seed, progress=progress, **options)
             (tmp / "COMPLETE").write_text(path.name + "\n")
+            shareable(tmp)
             try:
                 os.replace(tmp, target)  # atomic; fails if another builder got there first
             except OSError:

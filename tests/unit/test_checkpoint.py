@@ -324,8 +324,13 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
         d.mkdir(parents=True)
     for d in (old, crashed):
         os.utime(d, (0, 0))
-    first = default_checkpoint()
+    mask = os.umask(0o022)
+    try:
+        first = default_checkpoint()
+    finally:
+        os.umask(mask)
     assert not old.exists() and not crashed.exists() and recent.exists()  # stale builds of older code go
+    assert first.parent.stat().st_mode & 0o777 == 0o755  # as mkdir makes it, not mkdtemp's 0700: shareable
     assert first.is_relative_to(tmp_path) and first.name == "glm5-tiny-ud-q4_k_xl.gguf"
     stamp = first.stat().st_mtime_ns
     calls = []

@@ -198,3 +198,15 @@ def test_generate_stops_at_the_end_of_the_turn(tiny_checkpoint, monkeypatch, cap
     monkeypatch.setattr(ReferenceModel, "stream", stream)
     assert main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--max-tokens", "2"]) == 0
     assert seen == [{int(md[f"tokenizer.ggml.{r}_token_id"]) for r in ("eos", "eot", "eom")}]
+
+
+def test_hf_folder_is_readable_by_other_users(registered, tiny_checkpoint, tmp_path, monkeypatch):
+    from glm5serve.vllm_plugin.config_parser import hf_folder
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path / "cache"))
+    mask = os.umask(0o022)
+    try:
+        folder = hf_folder(tiny_checkpoint)
+    finally:
+        os.umask(mask)
+    assert folder.stat().st_mode & 0o777 == 0o755

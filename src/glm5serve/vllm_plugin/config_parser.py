@@ -80,7 +80,7 @@ def hf_folder(gguf_path) -> Path:
     st = p.stat()
     import transformers
 
-    from glm5serve.cache import cache_dir, code_digest
+    from glm5serve.cache import cache_dir, code_digest, shareable
 
     stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{code_digest(WRITERS)}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
@@ -98,6 +98,7 @@ def hf_folder(gguf_path) -> Path:
             gen.eos_token_id = eog
         gen.save_pretrained(tmp)
         tokenizer_from_gguf(model).save_pretrained(tmp)
+        shareable(tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process won the race: use its folder
