@@ -36,39 +36,33 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _checked(convert, ok, what: str):
+    """An argparse type: ``convert(value)`` where that succeeds and ``ok`` accepts it, else an error saying ``what``
+    the value must be."""
+    def parse(value: str):
+        try:
+            v = convert(value)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return v
+    return parse
+
+
+_positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+_seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1")  # what torch's manual_seed takes
+_temperature = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+
+
 def _eps(value: str) -> float | str:
     """argparse type: ``rms_norm_eps`` or a positive finite float."""
     if value == "rms_norm_eps":
         return value
     try:
-        eps = float(value)
-    except ValueError:
-        eps = math.nan
-    if not (math.isfinite(eps) and eps > 0):
-        raise argparse.ArgumentTypeError(f'{value!r} is neither a positive number nor "rms_norm_eps"')
-    return eps
-
-
-def _seed(value: str) -> int:
-    """argparse type: an integer torch.Generator.manual_seed takes (0..2**63-1)."""
-    try:
-        seed = int(value)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed < 2**63:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer in 0..2**63-1")
-    return seed
-
-
-def _temperature(value: str) -> float:
-    """argparse type: a finite float >= 0."""
-    try:
-        t = float(value)
-    except ValueError:
-        t = math.nan
-    if not (math.isfinite(t) and t >= 0):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number >= 0")
-    return t
+        return _positive(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'{value!r} is neither a positive number nor "rms_norm_eps"') from None
 
 
 def run(args: argparse.Namespace) -> int:
