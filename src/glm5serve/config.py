@@ -99,9 +99,9 @@ def eog_token_ids(model) -> list[int]:
     """The end-of-generation token ids of a GLM-5 GGUF (GGUFModel or metadata dict): ``tokenizer.ggml.eos_token_id``,
     ``eot_token_id`` (``<|user|>``: the assistant's turn is over) and ``eom_token_id`` (``<|observation|>``: a tool
     call waits for its result), those present, in that order, without repeats. llama.cpp stops on all of them
-    (``llama_vocab::impl::load``: ``special_eog_ids``), GLM's HF ``generation_config.json`` lists the same three as
-    ``eos_token_id``; a chat that stopped on ``eos`` alone would run on into the user's next turn. Raises
-    GGUFModelError for an id that is not an integer."""
+    (``llama_vocab::impl::load``: ``special_eog_ids``), and GLM-4.x's HF ``generation_config.json`` lists the same
+    three tokens as ``eos_token_id``; a chat that stopped on ``eos`` alone would run on into the user's next turn.
+    Raises GGUFModelError for an id that is not an integer."""
     md, path = _md(model)
     ids: list[int] = []
     for role in ("eos", "eot", "eom"):
