@@ -120,7 +120,15 @@ def _run_config(name: str, narrow: Path, groups: dict, results_dir: Path, device
 @pytest.fixture(scope="session")
 def engines(request, narrow, prompts, results_dir) -> dict[str, dict | Exception]:
     """Run every configuration the selected tests of this file need, before the first of them: TP=1 ones in
-    parallel, one per visible GPU at a time, then the TP=2 ones on GPUs 0,1. Returns {name: record or error}."""
+    parallel, ``$GLM5SERVE_ENGINES_PER_GPU`` (default 1) per visible GPU at a time, then the TP=2 ones on GPUs 0,1.
+    More than one engine per GPU needs a fixed KV cache size (``$GLM5SERVE_KV_CACHE_GIB``, see
+    ``vllm_runner.kv_cache_bytes_from_env``): vLLM's memory profiling fails when another process on the GPU frees
+    memory meanwhile. Returns {name: record or error}."""
+    from glm5serve.testing.vllm_runner import KV_CACHE_ENV, kv_cache_bytes_from_env
+
+    per_gpu = int(os.environ.get("GLM5SERVE_ENGINES_PER_GPU", "1"))
+    if per_gpu > 1 and kv_cache_bytes_from_env() is None:
+        pytest.fail(f"GLM5SERVE_ENGINES_PER_GPU={per_gpu} needs {KV_CACHE_ENV} (a fixed KV cache size per engine)")
     needed: set[str] = set()
     for item in request.session.items:
         if item.module.__name__ == __name__:
@@ -143,7 +151,8 @@ def engines(request, narrow, prompts, results_dir) -> dict[str, dict | Exception
             except Exception as e:  # noqa: BLE001 - reported by the test that reads it
                 _RUNS[name] = e
 
-    threads = [threading.Thread(target=worker, args=(g,)) for g in range(max(1, n_gpus))]
+    threads = [threading.Thread(target=worker, args=(lane % max(1, n_gpus),))
+               for lane in range(max(1, n_gpus) * max(1, per_gpu))]
     for t in threads:
         t.start()
     for t in threads:

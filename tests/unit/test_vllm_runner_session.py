@@ -15,7 +15,7 @@ import pytest
 from hypothesis import find, given, settings
 
 from glm5serve.testing import strategies as gst
-from glm5serve.testing.vllm_runner import MARKER, EngineSession, main, pump, serve
+from glm5serve.testing.vllm_runner import KV_CACHE_ENV, MARKER, EngineSession, engine_kwargs, main, pump, serve
 
 
 def fake_tokens(prompt: list[int], n: int) -> list[int]:
@@ -146,8 +146,9 @@ def fake_session(tmp_path):
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     sessions = []
 
-    def make(model, mode="graphs", **kw):
-        s = EngineSession(model, mode, engine_factory="fake_engine:Engine", env={"PYTHONPATH": path},
+    def make(model, mode="graphs", env_extra=None, **kw):
+        s = EngineSession(model, mode, engine_factory="fake_engine:Engine",
+                          env={"PYTHONPATH": path, **(env_extra or {})},
                           log_path=tmp_path / f"{model}.log", start_timeout=300, **kw)
         sessions.append(s)
         return s
@@ -226,3 +227,24 @@ def test_engine_batches_reach_their_bounds():
     assert len(prompts) == 5
     prompts, _ = find(s, lambda b: len(set(t for p in b[0] for t in p)) == len(VOCAB))
     assert sorted(set(t for p in prompts for t in p)) == VOCAB
+
+
+def test_fixed_kv_cache_size_reaches_the_engine_from_the_environment(fake_session, monkeypatch):
+    """$GLM5SERVE_KV_CACHE_GIB becomes vLLM's kv_cache_memory_bytes in the child (so engines can share a GPU
+    without vLLM's memory profiling); unset, the key is absent and vLLM profiles as usual."""
+    monkeypatch.delenv(KV_CACHE_ENV, raising=False)
+    with fake_session("ok", "eager", timeout=60, env_extra={KV_CACHE_ENV: "2.5"}) as s:
+        s.ready()
+    with fake_session("ok2", "eager", timeout=60) as s2:
+        s2.ready()
+    (fixed,) = [json.loads(x) for x in _log_lines(s, "KWARGS ")]
+    (profiled,) = [json.loads(x) for x in _log_lines(s2, "KWARGS ")]
+    assert fixed["kv_cache_memory_bytes"] == int(2.5 * 2**30)
+    assert "kv_cache_memory_bytes" not in profiled
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "four"])
+def test_bad_kv_cache_size_is_refused(monkeypatch, bad):
+    monkeypatch.setenv(KV_CACHE_ENV, bad)
+    with pytest.raises(ValueError, match=f"{KV_CACHE_ENV}='{bad}': expected a positive number of GiB"):
+        engine_kwargs("m.gguf")

@@ -47,14 +47,41 @@ def engine_core_in_process() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+#: environment variable: a fixed KV cache size per GPU in GiB (vLLM's ``kv_cache_memory_bytes``)
+KV_CACHE_ENV = "GLM5SERVE_KV_CACHE_GIB"
+
+
+def kv_cache_bytes_from_env() -> int | None:
+    """``$GLM5SERVE_KV_CACHE_GIB`` (GiB, > 0) in bytes, or None when unset.
+
+    vLLM sizes its KV cache by profiling: it measures the GPU's free memory before and after a dummy forward pass and
+    asserts that it did not grow (vllm/v1/worker/gpu_worker.py, ``determine_available_memory``). Another process
+    that frees or takes memory meanwhile (a second engine on the same GPU ending or starting) fails that assertion
+    or shrinks the cache to nothing. With ``kv_cache_memory_bytes`` set vLLM skips the measurement, so several
+    engines can share one GPU. Raises ValueError for a value that is not a positive finite number."""
+    raw = os.environ.get(KV_CACHE_ENV)
+    if raw is None:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not 0 < gib < float("inf"):
+        raise ValueError(f"{KV_CACHE_ENV}={raw!r}: expected a positive number of GiB")
+    return int(gib * 2**30)
+
+
 def engine_kwargs(model: str, *, mode: str = "eager", tp: int = 1, max_model_len: int = 4096,
                   gpu_memory_utilization: float = 0.4, attention_backend: str | None = None) -> dict:
     """Keyword arguments of ``vllm.LLM`` for one engine configuration: bf16, seed 0, the :data:`MODES` settings of
-    ``mode``, ``tp`` as ``tensor_parallel_size``, ``gpu_memory_utilization`` a fraction of each GPU's memory.
-    Raises KeyError for an unknown mode."""
+    ``mode``, ``tp`` as ``tensor_parallel_size``, ``gpu_memory_utilization`` a fraction of each GPU's memory, and
+    ``kv_cache_memory_bytes`` when ``$GLM5SERVE_KV_CACHE_GIB`` is set (:func:`kv_cache_bytes_from_env`).
+    Raises KeyError for an unknown mode, ValueError for a bad ``$GLM5SERVE_KV_CACHE_GIB``."""
+    kv = kv_cache_bytes_from_env()
     return dict(model=model, tensor_parallel_size=tp, dtype="bfloat16", seed=0, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, **MODES[mode],
-                **({"attention_backend": attention_backend} if attention_backend else {}))
+                **({"attention_backend": attention_backend} if attention_backend else {}),
+                **({"kv_cache_memory_bytes": kv} if kv is not None else {}))
 
 
 def generation_record(output) -> dict:
