@@ -44,3 +44,25 @@ def test_plugin_kernels_kept_on_request():
     ops, backend, hooked = _probe(GLM5SERVE_GGUF_KERNELS="plugin")
     assert "glm5serve" not in ops
     assert hooked == "True"
+
+
+_STREAM_PROBE = """
+from glm5serve.vllm_plugin import register
+register()
+import vllm.envs as envs
+print(envs.VLLM_DISABLE_SHARED_EXPERTS_STREAM)
+"""
+
+
+@pytest.mark.parametrize("user, expected", [(None, "True"), ("0", "False"), ("1", "True")])
+def test_register_runs_shared_experts_on_the_main_stream_unless_the_user_chose(user, expected):
+    """vLLM reads VLLM_DISABLE_SHARED_EXPERTS_STREAM as True after register() (the aux-stream overlap returned wrong
+    first requests on the H200, see ``serialize_shared_experts``); a user's own setting wins."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DISABLE_SHARED_EXPERTS_STREAM"}
+    if user is not None:
+        env["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = user
+    r = subprocess.run([sys.executable, "-c", _STREAM_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == expected

@@ -25,6 +25,29 @@ def require_gpus(tp: int) -> None:
                              "sparse attention on a CPU")
 
 
+#: vLLM's switch for running MoE shared experts on a second CUDA stream, overlapped with the routed experts
+SHARED_EXPERTS_STREAM_ENV = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
+
+
+def serialize_shared_experts() -> None:
+    """Run MoE shared experts on the main CUDA stream (``VLLM_DISABLE_SHARED_EXPERTS_STREAM=1``) unless the user set
+    the variable.
+
+    Measured on an H200 (vLLM 0.25, narrow ud-q4_k_xl, eager): with the overlap of vllm#26440 (shared experts on
+    an aux stream, launched after the routed experts), an engine whose first request ran while Triton compiled its
+    kernels and other processes loaded the GPU returned wrong logits for that whole request: step-0 chosen-token
+    logprob -0.08 where a warm engine, an engine without the aux stream and the fp32 reference give -0.46 / -0.45.
+    5 of 5 engines started together next to a matmul load (vLLM's sparse MLA and glm5serve's Triton MLA alike),
+    1 of 3 in ``test_vllm_e2e.py`` at three engines per GPU; with the stream off 0 of 3; without the load 0 of 1.
+    Later requests were exact. The root cause is not isolated (glm5serve's GEMV on an aux stream alone is exact);
+    vllm#28939 / #28942 fixed a related fault (shared experts reading hidden states the routed experts had
+    changed). Costs the overlap: at most the shared expert's time per MoE layer."""
+
+    import os
+
+    os.environ.setdefault(SHARED_EXPERTS_STREAM_ENV, "1")
+
+
 def register() -> None:
     """Register glm5serve with vLLM (idempotent; vLLM runs general plugins in no fixed order).
 
@@ -34,9 +57,11 @@ def register() -> None:
     glm5serve's GGUF decode kernels (:func:`glm5serve.kernels.vllm_ops.install`; ``GLM5SERVE_GGUF_KERNELS=plugin``
     keeps the plugin's own) and the Triton MLA backend as ``CUSTOM`` (``--attention-backend CUSTOM``; chosen
     automatically where vLLM has no sparse MLA backend for the GPU and dims: :func:`glm5serve.mla.select_backend`).
+    Before anything, :func:`serialize_shared_experts`.
     """
     import os
 
+    serialize_shared_experts()  # before vLLM builds the MoE layers, which read it
     import vllm_gguf_plugin
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader, register_model_loader
