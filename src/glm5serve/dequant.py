@@ -197,7 +197,7 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
 
     Raises:
         GGUFModelError: unsupported ``qtype`` (the message names it), a row byte count that is not a whole number
-        of blocks, or a ``shape`` with a different number of elements.
+        of blocks, or a ``shape`` with a negative size or a different number of elements.
         ValueError: a ``dtype`` other than the three above.
 
     Source: gguf-py ``gguf/quants.py`` ``dequantize_blocks``; ggml ``ggml/src/ggml-quants.c`` ``dequantize_row_*``.
@@ -223,7 +223,7 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
     out_shape = (*lead, row_bytes // type_size * block_size)
     if shape is not None:
         shape = tuple(int(s) for s in shape)
-        if int(np.prod(shape, dtype=np.int64)) != n_blocks * block_size:
+        if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) != n_blocks * block_size:
             raise GGUFModelError(f"{name} data holds {n_blocks * block_size} values, not shape {list(shape)}")
         out_shape = shape
     blocks = raw.reshape(n_blocks, type_size)

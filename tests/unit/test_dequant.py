@@ -130,6 +130,8 @@ def test_partial_block_and_bad_shape_raise():
         dequantize(np.zeros((2, 100), dtype=np.uint8), Q.Q4_K)
     with pytest.raises(GGUFModelError, match="not shape"):
         dequantize(np.zeros((2, 144), dtype=np.uint8), Q.Q4_K, shape=(2, 255))
+    with pytest.raises(GGUFModelError, match=r"not shape \[-2, -256\]"):  # the right count, negative sizes
+        dequantize(np.zeros((2, 144), dtype=np.uint8), Q.Q4_K, shape=(-2, -256))
 
 
 def test_dequantize_tensor_from_file(tmp_path):
