@@ -433,8 +433,10 @@ class ReferenceModel:
         """Yield ``(token_id, logprobs)`` for up to ``max_new_tokens`` new tokens, ``logprobs`` the (vocab,) fp32
         log-softmax the token was drawn from (before temperature). Prefill once, then one token per step
         through the KV cache. Greedy = argmax (lowest id on ties); otherwise sampling at ``temperature`` with a
-        ``torch.Generator`` seeded by ``seed``. Stops after yielding a token in ``stop_ids``. Raises ValueError
-        for an empty prompt, a negative ``max_new_tokens`` or, when sampling, a temperature that is not finite > 0.
+        ``torch.Generator`` seeded by ``seed``; a temperature below 1e-5 is greedy, as in vLLM (``_SAMPLING_EPS``,
+        vllm/sampling_params.py), where logits / temperature would overflow. Stops after yielding a token in
+        ``stop_ids``. Raises ValueError for an empty prompt, a negative ``max_new_tokens`` or, when sampling, a
+        temperature that is not finite > 0.
         """
         if len(prompt_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
@@ -442,6 +444,7 @@ class ReferenceModel:
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         if not greedy and not (math.isfinite(temperature) and temperature > 0):  # -1 would invert the distribution
             raise ValueError(f"sampling needs a finite temperature > 0, not {temperature}")
+        greedy = greedy or temperature < 1e-5
         cache = self.new_cache()
         gen = torch.Generator(device=self.device).manual_seed(seed)
         logits = self.forward(list(prompt_ids), cache)[-1]

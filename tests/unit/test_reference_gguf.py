@@ -180,6 +180,8 @@ def test_bad_arguments_are_errors_not_garbage(tiny, tiny_checkpoint):
     for t in (-1.0, 0.0, float("inf")):
         with pytest.raises(ValueError, match="finite temperature > 0"):
             tiny.generate([1, 2], 3, greedy=False, temperature=t)
+    # a temperature so small that logits / temperature overflows (NaN probabilities) is greedy, as in vLLM
+    assert tiny.generate([1, 2], 3, greedy=False, temperature=1e-45) == tiny.generate([1, 2], 3)
     with pytest.raises(ValueError, match="dtype must be a floating-point torch dtype, not torch.int32"):
         ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.int32)  # loaded, then failed in the first matmul
     for n in (2.5, True):
