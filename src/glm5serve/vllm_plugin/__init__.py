@@ -40,9 +40,8 @@ def serialize_shared_experts() -> None:
     5 of 5 engines started together next to a matmul load (vLLM's sparse MLA and glm5serve's Triton MLA alike),
     1 of 3 in ``test_vllm_e2e.py`` at three engines per GPU; with the stream off 0 of 3; without the load 0 of 1.
     Later requests were exact. The root cause is not isolated (glm5serve's GEMV on an aux stream alone is exact);
-    vllm#28939 / #28942 fixed a related fault (shared experts reading hidden states the routed experts had
-    changed). Costs the overlap: at most the shared expert's time per MoE layer."""
-
+    vllm#28942 (and the closed #28939) fixed a related fault: shared experts reading hidden states the routed
+    experts had changed. Costs the overlap: at most the shared expert's time per MoE layer."""
     import os
 
     os.environ.setdefault(SHARED_EXPERTS_STREAM_ENV, "1")
