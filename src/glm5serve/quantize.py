@@ -234,6 +234,10 @@ OWN_TYPES: tuple[Q, ...] = tuple(_K_QUANTIZERS)
 # Types quantize() writes: ours plus those gguf-py quantizes that glm5serve.dequant reads back.
 GGUF_PY_TYPES: tuple[Q, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 QUANTIZE_TYPES: tuple[Q, ...] = GGUF_PY_TYPES + OWN_TYPES
+#: byte range of each block's fp16 fields (scale d, and min m / dmin), from ggml-common.h's block_* structs
+_HALF_FIELDS = {Q.Q4_0: (0, 2), Q.Q4_1: (0, 4), Q.Q5_0: (0, 2), Q.Q5_1: (0, 4), Q.Q8_0: (0, 2),
+                Q.Q4_K: (0, 4), Q.Q5_K: (0, 4), Q.Q6_K: (208, 210)}
+F16_MAX = 65504.0
 
 
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -242,7 +246,9 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     Returns ``uint8 (..., row_bytes)`` for block types (``row_bytes = row / block_size * type_size``), ``float32``
     / ``float16`` arrays for F32 / F16. Q4_K/Q5_K/Q6_K use llama.cpp's reference algorithm (this module); the
     other :data:`QUANTIZE_TYPES` use gguf-py. Raises GGUFModelError naming the type when it is not in
-    ``QUANTIZE_TYPES``, when the row is not a whole number of blocks, or when a value is NaN/inf.
+    ``QUANTIZE_TYPES``, when the row is not a whole number of blocks, when a value is NaN/inf, or when a value is too
+    large for the type (beyond fp16's 65504 for F16; for block types, a block scale that overflows its fp16 field,
+    which would dequantize to inf).
     """
     try:
         qtype = Q(int(qtype))
@@ -254,19 +260,29 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     x = np.asarray(data)
     if x.dtype != np.float32:
         x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise GGUFModelError(f"cannot quantize non-finite values (NaN/inf) to {qtype.name}")
+    if qtype == Q.F16 and x.size and np.abs(x).max() > F16_MAX:
+        raise GGUFModelError(f"cannot quantize |values| up to {np.abs(x).max():.3g} to F16 (largest: {F16_MAX:g})")
     if qtype in (Q.F32, Q.F16):
         return gguf_quants.quantize(x, qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if x.ndim == 0 or x.shape[-1] % block_size:
         raise GGUFModelError(f"cannot quantize rows of {x.shape[-1] if x.ndim else 0} values to {qtype.name}: "
                              f"not a whole number of {block_size}-value blocks")
-    if not np.isfinite(x).all():
-        raise GGUFModelError(f"cannot quantize non-finite values (NaN/inf) to {qtype.name}")
     fn = _K_QUANTIZERS.get(qtype)
-    if fn is None:
-        return gguf_quants.quantize(x, qtype)
-    blocks = x.reshape(-1, block_size)
-    out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
-    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # chunks of whole blocks, each fully vectorised
-        out[start:start + CHUNK_BLOCKS] = fn(blocks[start:start + CHUNK_BLOCKS])
-    return out.reshape(*x.shape[:-1], x.shape[-1] // block_size * type_size)
+    with np.errstate(over="ignore", invalid="ignore"):  # huge values: the scale check below names the fault
+        if fn is None:
+            out = gguf_quants.quantize(x, qtype)
+        else:
+            blocks = x.reshape(-1, block_size)
+            out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
+            for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # chunks of whole blocks, each fully vectorised
+                out[start:start + CHUNK_BLOCKS] = fn(blocks[start:start + CHUNK_BLOCKS])
+            out = out.reshape(*x.shape[:-1], x.shape[-1] // block_size * type_size)
+    if qtype in _HALF_FIELDS:
+        a, b = _HALF_FIELDS[qtype]
+        if not np.isfinite(out.reshape(-1, type_size)[:, a:b].copy().view(np.float16)).all():
+            raise GGUFModelError(f"cannot quantize |values| up to {np.abs(x).max():.3g} to {qtype.name}: a block "
+                                 "scale overflows its fp16 field")
+    return out

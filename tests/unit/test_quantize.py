@@ -107,6 +107,15 @@ def test_errors_are_one_line_and_name_the_type():
         quantize(np.zeros((2, 100), dtype=np.float32), Q.Q4_K)
     with pytest.raises(GGUFModelError, match="non-finite.*Q6_K"):
         quantize(np.full((1, 256), np.nan, dtype=np.float32), Q.Q6_K)
+    for qtype in (Q.F16, Q.BF16):
+        with pytest.raises(GGUFModelError, match=f"non-finite.*{qtype.name}"):
+            quantize(np.full((1, 256), np.inf, dtype=np.float32), qtype)
+    with pytest.raises(GGUFModelError, match=r"up to 1e\+05 to F16 \(largest: 65504\)"):
+        quantize(np.full((1, 4), 1e5, dtype=np.float32), Q.F16)  # would be inf
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *OWN_TYPES):  # block scales past fp16 dequantize to inf
+        with pytest.raises(GGUFModelError, match=f"up to 1e\\+30 to {qtype.name}: a block scale overflows"):
+            quantize(np.full((1, 256), 1e30, dtype=np.float32), qtype)
+        assert torch.isfinite(dequantize(quantize(np.full((1, 256), 1e4, dtype=np.float32), qtype), qtype)).all()
     for qtype in (Q.Q2_K, Q.IQ2_XXS):
         with pytest.raises(GGUFModelError, match=f"{qtype.name} is not supported"):
             quantize(np.zeros((1, 256), dtype=np.float32), qtype)
