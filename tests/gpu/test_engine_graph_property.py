@@ -19,7 +19,6 @@ for the derandomized draw).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -39,19 +38,6 @@ MAX_REQUESTS, MAX_PROMPT_LEN, MAX_NEW_TOKENS = 24, 700, 12
 MODES = ("eager", "graphs")
 _ROWS: list[dict] = []      # one per example, for the summary
 _BATCHES: list[dict] = []   # the drawn batches themselves
-
-
-@pytest.fixture(scope="session")
-def narrow() -> Path:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM")
-    if p := os.environ.get("GLM5SERVE_NARROW"):
-        return Path(p)
-    from glm5serve.cache import cached_checkpoint
-
-    return cached_checkpoint("narrow", "ud-q4_k_xl", split=2)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ started afterwards, alone, with a warm cache. Logs go to ``results_dir``.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import os
 import subprocess
 import sys
@@ -34,17 +33,6 @@ while time.time() - t < float(sys.argv[1]):
         a = (a @ a).clamp_(-1, 1)
     torch.cuda.synchronize()
 """
-
-
-@pytest.fixture(scope="module")
-def narrow() -> Path:
-    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs a CUDA GPU and vLLM")
-    if p := os.environ.get("GLM5SERVE_NARROW"):
-        return Path(p)
-    from glm5serve.cache import cached_checkpoint
-
-    return cached_checkpoint("narrow", "ud-q4_k_xl", split=2)
 
 
 def _prompts(narrow: Path) -> list[list[list[int]]]:

@@ -47,16 +47,6 @@ def _need_gpus(n: int) -> None:
 
 
 @pytest.fixture(scope="session")
-def narrow() -> Path:
-    _need_gpus(1)
-    if p := os.environ.get("GLM5SERVE_NARROW"):
-        return Path(p)
-    from glm5serve.cache import cached_checkpoint
-
-    return cached_checkpoint("narrow", "ud-q4_k_xl", split=2)
-
-
-@pytest.fixture(scope="session")
 def prompts(narrow) -> dict[str, list[list[int]]]:
     """Deterministic token-id prompts drawn from the ordinary (non-special) part of the vocabulary."""
     from glm5serve.gguf_file import GGUFModel
