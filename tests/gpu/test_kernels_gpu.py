@@ -10,6 +10,9 @@ Run on a GPU host: ``python -m pytest tests/gpu/test_kernels_gpu.py -m gpu -q``.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +192,38 @@ def test_moe_cuda_graph_replay(T):
         wts.copy_(torch.rand_like(wts))
         g.replay()
         assert torch.equal(out, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
+
+
+@pytest.mark.parametrize("M", (1, 4))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_l2_prefetch_changes_no_bit(qtype, M):
+    """GemvConfig.prefetch only moves bytes into L2 early: outputs are bit-identical to prefetch 0, on both paths,
+    with split-K, and for prefetch distances past the end of the row."""
+    N, K = 300, 6 * BLOCK_SIZES[int(qtype)][0]
+    x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=60 + int(qtype) + M)
+    for split in (1, 3):
+        base = GemvConfig(block_n=16, kbs=1, split_k=split, use_dot=M > 1)
+        want = gguf_linear(x, w, qtype, N, base)
+        for prefetch in (1, 2, 8):
+            assert torch.equal(gguf_linear(x, w, qtype, N, dataclasses.replace(base, prefetch=prefetch)), want)
+
+
+def test_moe_prefetch_changes_no_bit(monkeypatch):
+    gm = importlib.import_module("glm5serve.kernels.gguf_moe")
+    rng = np.random.default_rng(5)
+    E, H, inter, k = 8, 512, 256, 4
+    w13 = torch.from_numpy(np.stack([random_qweight(Q.Q5_K, 2 * inter, H, rng) for _ in range(E)])).to(DEV)
+    w2 = torch.from_numpy(np.stack([random_qweight(Q.Q8_0, H, inter, rng) for _ in range(E)])).to(DEV)
+    for T in (3, 40):
+        x = torch.randn(T, H, device=DEV).bfloat16()
+        ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
+        wts = torch.rand(T, k, device=DEV)
+        outs = []
+        for prefetch in (0, 2):
+            monkeypatch.setattr(gm, "MOE_PREFETCH", prefetch)
+            monkeypatch.setattr(gm, "GROUPED_PREFETCH", prefetch)
+            outs.append(gguf_moe(x, w13, w2, wts, ids, Q.Q5_K, Q.Q8_0))
+        assert torch.equal(outs[0], outs[1]), T
 
 
 def _plugin_linear():

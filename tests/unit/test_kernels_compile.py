@@ -50,6 +50,8 @@ BUDGET = {g.Q4_K: (8.8, 9.7), g.Q5_K: (12.5, 13.5), g.Q6_K: (19.0, 21.5), g.Q8_0
 def _compile(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...], num_warps: int = 4):
     # Triton's launcher marks pointers and ints divisible by 16 with tt.divisibility; do the same here
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    # constexpr parameters with a default (PREFETCH) take it unless given
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=SM90, options=dict(num_warps=num_warps))
 
@@ -75,13 +77,16 @@ def _loop_body(sass: str) -> list[str]:
     return best
 
 
+def _gemv_sig(qtype: int) -> dict:
+    return dict(x_ptr="*bf16", w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", y_ptr="*bf16", part_ptr="*fp32",
+                count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_xm="i32",
+                stride_wn="i32", stride_ym="i32")
+
+
 def _gemv(qtype: int, use_dot: bool):
     cfg = g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132)
     G, T = g.tile_shape(qtype, cfg.kbs)
-    xt = "*bf16"
-    sig = dict(x_ptr=xt, w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", y_ptr=xt, part_ptr="*fp32",
-               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_xm="i32",
-               stride_wn="i32", stride_ym="i32")
+    sig = _gemv_sig(qtype)
     const = dict(QTYPE=qtype, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
                  USE_DOT=use_dot, SPLIT_K=4)
     k = _compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N",
@@ -130,9 +135,7 @@ def test_gemm_tiles_past_decode_compile_without_spills(qtype):
     cfg = g.pick_config(qtype, 256, 2048, 6144, 132)
     assert cfg.use_dot and cfg.block_m == 64
     G, T = g.tile_shape(qtype, cfg.kbs)
-    sig = dict(x_ptr="*bf16", w_ptr="*i32" if qtype in g._WORD_TYPES else "*u8", y_ptr="*bf16", part_ptr="*fp32",
-               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_xm="i32",
-               stride_wn="i32", stride_ym="i32")
+    sig = _gemv_sig(qtype)
     const = dict(QTYPE=qtype, BLOCK_M=64, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T, USE_DOT=True,
                  SPLIT_K=cfg.split_k)
     sass, usage = _sass(_compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "stride_xm", "stride_wn",
@@ -175,3 +178,35 @@ def test_dequant_kernel_compiles_without_spills(qtype):
     sass, usage = _sass(k)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert "STG" in sass
+
+
+@pytest.mark.parametrize("use_dot", (False, True), ids=("fma", "dot"))
+@pytest.mark.parametrize("qtype", (g.Q4_K, g.Q6_K, g.Q5_0), ids=lambda q: g._NAMES[q])
+def test_prefetch_issues_l2_prefetches_in_the_loop(qtype, use_dot):
+    """GemvConfig.prefetch > 0 puts ``prefetch.global.L2`` (SASS ``CCTL.E.PF2``) into the K loop, without spills;
+    prefetch 0 leaves none."""
+    counts = []
+    for prefetch in (0, 2):
+        cfg = g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132)
+        G, T = g.tile_shape(qtype, cfg.kbs)
+        sig = _gemv_sig(qtype)
+        const = dict(QTYPE=qtype, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
+                     USE_DOT=use_dot, SPLIT_K=4, PREFETCH=prefetch)
+        sass, usage = _sass(_compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "stride_wn"),
+                                     cfg.num_warps))
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+        counts.append(sum(o.startswith("CCTL.E.PF2") for o in _loop_body(sass)))
+    assert counts[0] == 0 and counts[1] >= 1, counts
+
+
+@pytest.mark.parametrize("key", sorted(g.tuned_configs("NVIDIA_H200")), ids=str)
+def test_tuned_configs_compile_without_spills(key):
+    qtype, M, N, K = key
+    cfg = g.tuned_configs("NVIDIA_H200")[key]
+    G, T = g.tile_shape(qtype, cfg.kbs)
+    use_dot = cfg.use_dot and M > 1
+    sig = _gemv_sig(qtype)
+    const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
+                 USE_DOT=use_dot, SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch)
+    _, usage = _sass(_compile(g._gemv_kernel, sig, const, ("x_ptr", "w_ptr", "y_ptr", "stride_wn"), cfg.num_warps))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage

@@ -62,13 +62,15 @@ class GemvConfig:
     ``split_k`` programs along K (fp32 partials; the last program of a tile sums them), ``use_dot`` for the
     tensor cores with x padded to ``block_m`` rows (ignored where the MMA cannot run: fp32 activations,
     ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
-    rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows."""
+    rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
+    ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter)."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
     num_warps: int = 4
     use_dot: bool = False
     block_m: int = 16
+    prefetch: int = 0
 
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
@@ -363,10 +365,34 @@ def _reduce_acc(acc, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(row_ptr, rmask, b0, blk_end, QTYPE: tl.constexpr, KBS: tl.constexpr):
+    """Ask L2 for blocks [b0, b0 + KBS) of each row (one ``prefetch.global.L2`` per 128-byte line, predicated on
+    rmask and b0 < blk_end).  The data is not waited for: the lines are on their way while this step decodes."""
+    WORDS: tl.constexpr = QTYPE == 12 or QTYPE == 13  # row_ptr points at int32 words
+    QB: tl.constexpr = (144 if QTYPE == 12 else 176) // 4 if WORDS else (210 if QTYPE == 14 else 34 if QTYPE == 8
+                                                                          else 18 if QTYPE == 2 else 22)
+    LINE: tl.constexpr = 32 if WORDS else 128  # pointer elements per 128-byte line
+    NL: tl.constexpr = triton.next_power_of_2((KBS * QB + LINE - 1) // LINE + 1)
+    start = b0 * QB
+    # line starts, the last clamped to the step's last element: every line the step touches gets one prefetch
+    off = tl.minimum(start + tl.arange(0, NL) * LINE, start + KBS * QB - 1)
+    ptrs = row_ptr[:, None] + off[None, :]
+    on = (rmask[:, None] & (b0 < blk_end)).to(tl.int32) + tl.zeros([1, NL], dtype=tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, xoff, xmask, xscale,
-              QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
-    """Accumulate blocks [blk_begin, blk_end) of BLOCK_N rows against BLOCK_M activation rows."""
+              QTYPE: tl.constexpr, KBS: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+              PREFETCH: tl.constexpr = 0):
+    """Accumulate blocks [blk_begin, blk_end) of BLOCK_N rows against BLOCK_M activation rows.  PREFETCH > 0:
+    each step first asks L2 for the blocks PREFETCH steps ahead (more bytes in flight than the registers hold)."""
+    for d in tl.static_range(1, PREFETCH):
+        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
     for b0 in range(blk_begin, blk_end, KBS):
+        if PREFETCH > 0:
+            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QTYPE, KBS)
         acc = _step(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale, QTYPE, KBS, BLOCK_M, USE_DOT)
     return acc
 
@@ -375,7 +401,8 @@ def _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr, xoff, xmask, x
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                  stride_xm, stride_wn, stride_ym,
                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
-                 G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                 G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+                 PREFETCH: tl.constexpr = 0):
     """Grid (N tiles, SPLIT_K, M tiles).  With SPLIT_K > 1, part_ptr is fp32 [SPLIT_K, M tiles * BLOCK_M, N]
     scratch and count_ptr int32 [M tiles * N tiles] counters that are zero on entry and left zero on exit."""
     pid_n = tl.program_id(0)
@@ -390,7 +417,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
     acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
     mi = tl.arange(0, BLOCK_M)
     acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm,
-                    mi.to(tl.int64) * stride_xm, mi < M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT)
+                    mi.to(tl.int64) * stride_xm, mi < M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT, PREFETCH)
     y = _reduce_acc(acc, USE_DOT)
     m = m0 + tl.arange(0, BLOCK_M)
     ymask = (m < M)[:, None] & rmask[None, :]
@@ -496,12 +523,19 @@ _FMA_TILE = {Q4_K: (16, 2), Q5_K: (16, 2), Q6_K: (16, 2), Q8_0: (16, 8), Q4_0: (
 _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (64, 2), Q5_0: (64, 2)}
 
 
+#: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
+#: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
+#: (214); 1 step on the FMA path 50.0 us at 1 row (51.2); 7-13 MB weights were 1-5 % slower with it.
+PREFETCH_MIN_BYTES = 32 << 20
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16,
                 device_name: str = "") -> GemvConfig:
     """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
     smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
-    programs per SM."""
+    programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more (never for ``device_name``
+    "cpu": the Triton interpreter has no inline PTX)."""
     tuned = tuned_configs(device_name) if device_name else {}
     for m in sorted({key[1] for key in tuned if key[1] >= M}):
         cfg = tuned.get((qtype, m, N, K))
@@ -517,8 +551,11 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     steps = triton.cdiv(nb, kbs)
     split = max(1, min(steps, triton.cdiv(4 * sms, programs)))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
+    prefetch = 0
+    if device_name != "cpu" and N * nb * BLOCK_SIZES[qtype][1] >= PREFETCH_MIN_BYTES:
+        prefetch = 2 if use_dot else 1
     return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4 if block_m <= 32 else 8,
-                      use_dot=use_dot, block_m=block_m if use_dot else 16)
+                      use_dot=use_dot, block_m=block_m if use_dot else 16, prefetch=prefetch)
 
 
 def supports(qtype: int, M: int, N: int, K: int) -> bool:
@@ -650,5 +687,5 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         part = counters = y  # unused
     _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
                        QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G, T=T,
-                       USE_DOT=use_dot, SPLIT_K=split, num_warps=config.num_warps)
+                       USE_DOT=use_dot, SPLIT_K=split, PREFETCH=config.prefetch, num_warps=config.num_warps)
     return y
