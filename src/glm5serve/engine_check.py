@@ -9,6 +9,7 @@ selects every key (past it vLLM's FP8 indexer keys make runs differ; ``tests/gpu
 from __future__ import annotations
 
 import tempfile
+import time
 from typing import Callable
 
 import torch
@@ -57,9 +58,17 @@ def greedy_with_top5(model, prompt: list[int], max_tokens: int) -> dict:
     return {"tokens": toks, "logprobs": lps}
 
 
-def engine_checks(path: str, tp: int = 1, *, run: Runner | None = None, device: str | None = None) -> list[Check]:
-    """The checks above as :class:`~glm5serve.verify.Check` lines. ``run`` defaults to vLLM in a subprocess."""
+def engine_checks(path: str, tp: int = 1, *, run: Runner | None = None, device: str | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[Check]:
+    """The checks above as :class:`~glm5serve.verify.Check` lines. ``run`` defaults to vLLM in a subprocess;
+    ``progress`` gets one line as each of the three stages (each up to minutes) starts, with seconds elapsed."""
     from glm5serve.gguf_file import GGUFModel
+
+    t0 = time.monotonic()
+
+    def stage(what: str) -> None:
+        if progress is not None:
+            progress(f"verify: {what} (+{time.monotonic() - t0:.0f} s)")
 
     if run is None:
         from glm5serve.testing.vllm_runner import run_in_subprocess as run
@@ -69,7 +78,9 @@ def engine_checks(path: str, tp: int = 1, *, run: Runner | None = None, device: 
     checks = []
     with tempfile.TemporaryDirectory(prefix="glm5serve-engine-") as work:
         try:
+            stage(f"1/3 vLLM eager, TP={tp}: {len(prompts)} prompts")
             eager = run(path, batches, work, mode="eager", tp=tp, max_tokens=MAX_TOKENS)
+            stage(f"2/3 the reference engine on {device}")
             ref = reference_generations(path, prompts, device)
             rules = [top_k_rule(b[0]["tokens"], b[0]["logprobs"], r["tokens"], r["logprobs"])
                      for b, r in zip(eager["batches"], ref, strict=True)]
@@ -81,6 +92,7 @@ def engine_checks(path: str, tp: int = 1, *, run: Runner | None = None, device: 
                                 f"vLLM {eager.get('vllm', '?')} eager TP={tp} ({backends}, GGUF kernels "
                                 f"{eager.get('gguf_kernels', '?')}) vs reference: {exact}/{len(rules)} prompts "
                                 f"identical for {MAX_TOKENS} tokens, others within the top-5 rule; max gap {gap:.3f}"))
+            stage("3/3 vLLM with CUDA graphs")
             graphs = run(path, batches, work, mode="graphs", tp=tp, max_tokens=MAX_TOKENS)
             same = [bit_identical(g[0]["tokens"], g[0]["logprobs"], e[0]["tokens"], e[0]["logprobs"])
                     for g, e in zip(graphs["batches"], eager["batches"], strict=True)]

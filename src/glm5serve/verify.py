@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
         print("verify: running vLLM eager, the reference engine, then vLLM with CUDA graphs (minutes)",
               file=sys.stderr, flush=True)
-        engine = engine_checks(args.model, args.tp)
+        engine = engine_checks(args.model, args.tp, progress=lambda line: print(line, file=sys.stderr, flush=True))
         for c in engine:
             print(c.line(), flush=True)
         results += engine

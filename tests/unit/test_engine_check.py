@@ -60,11 +60,16 @@ def test_garbage_engine_and_inexact_graphs_fail(tiny_checkpoint, reference):
 def test_cli_flag_runs_engine_checks_after_static_ones(tiny_checkpoint, reference, monkeypatch, capsys):
     _, ref = reference
     real = engine_check.engine_checks
-    monkeypatch.setattr(engine_check, "engine_checks", lambda path, tp: real(
-        path, tp, device="cpu", run=fake_runner({"eager": ref, "graphs": ref}, [])))
+    monkeypatch.setattr(engine_check, "engine_checks", lambda path, tp, **kw: real(
+        path, tp, device="cpu", run=fake_runner({"eager": ref, "graphs": ref}, []), **kw))
     gpus = []  # the fake engine needs no GPU: stand in for the check that vLLM and the GPUs are there
     monkeypatch.setattr("glm5serve.vllm_plugin.require_gpus", gpus.append)
     assert main(["verify", str(tiny_checkpoint), "--engine", "vllm"]) == 0
     assert gpus == [1]
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "PASS  vllm-ref" in out and "PASS  graphs" in out and "verify: OK" in out
+    # each engine stage announces itself on stderr, in order, before it runs
+    stages = [line for line in captured.err.splitlines() if line.startswith("verify: ") and "/3 " in line]
+    assert [s.split()[1] for s in stages] == ["1/3", "2/3", "3/3"], captured.err
+    assert all(s.endswith(" s)") for s in stages), stages
