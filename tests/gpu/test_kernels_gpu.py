@@ -21,8 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
-from glm5serve.kernels.gguf_gemv import BLOCK_SIZES
-from glm5serve.kernels.testing import dequant, random_qweight, random_qweight_torch, reference_linear, reference_moe
+from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info
+from glm5serve.kernels.testing import (
+    dequant,
+    q8_activation_bound,
+    random_qweight,
+    random_qweight_torch,
+    reference_linear,
+    reference_moe,
+)
 from glm5serve.testing.gpu_timing import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -40,10 +47,10 @@ def _eps_sum(M: int, dtype: torch.dtype, cfg: GemvConfig | None) -> float:
     return 2.0 ** -8 if use_dot else 2.0 ** -16
 
 
-def _assert_close(y, ref, bound, eps_sum, what=""):
+def _assert_close(y, ref, bound, eps_sum, what="", extra=0.0):
     assert torch.isfinite(y).all(), f"{what}: non-finite output"
     err = (y.double().cpu() - ref).abs()
-    tol = OUT_ROUNDING * ref.abs() + eps_sum * bound + 1e-30
+    tol = OUT_ROUNDING * ref.abs() + eps_sum * bound + extra + 1e-30
     worst = (err / tol).max().item()
     assert worst <= 1.0, f"{what}: max error {err.max().item():.3g} is {worst:.3g}x the budget"
     # upstream's criterion, for the record (implied by the budget above)
@@ -58,6 +65,18 @@ def _linear_case(qtype, M, N, K, dtype, seed):
     return x.to(DEV), torch.from_numpy(raw).to(DEV), ref, bound
 
 
+
+def _moe_weights(q13, q2, E, H, inter, rng):
+    """(w13, w2) raw GGUF expert stacks on the GPU: (E, 2 inter, row bytes of H) and (E, H, row bytes of inter)."""
+    w13 = np.stack([random_qweight(q13, 2 * inter, H, rng) for _ in range(E)])
+    w2 = np.stack([random_qweight(q2, H, inter, rng) for _ in range(E)])
+    return torch.from_numpy(w13).to(DEV), torch.from_numpy(w2).to(DEV)
+
+
+def _routing(T, E, k):
+    """Random (topk_ids int32, topk_weights) of T tokens, k experts each, on the GPU."""
+    return torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32), torch.rand(T, k, device=DEV)
+
 @st.composite
 def linear_cases(draw):
     qtype = draw(st.sampled_from(TYPES))
@@ -69,7 +88,7 @@ def linear_cases(draw):
     cfg = draw(st.one_of(st.none(), st.builds(
         GemvConfig, block_n=st.sampled_from((4, 8, 16, 32)), kbs=st.sampled_from((1, 2, 4)),
         split_k=st.integers(1, 5), num_warps=st.sampled_from((2, 4, 8)), use_dot=st.booleans(),
-        block_m=st.sampled_from((16, 32, 64)))))
+        block_m=st.sampled_from((16, 32, 64)), q8=st.booleans())))
     if cfg is not None and cfg.use_dot:  # the MMA needs 16 along N and along K per slice
         cfg = GemvConfig(block_n=max(cfg.block_n, 16), kbs=max(cfg.kbs, 2), split_k=cfg.split_k,
                          num_warps=cfg.num_warps, use_dot=True, block_m=cfg.block_m)
@@ -83,7 +102,21 @@ def test_gemv_matches_gguf_py(case):
     x, w, ref, bound = _linear_case(qtype, M, N, K, dtype, seed)
     y = gguf_linear(x, w, qtype, N, cfg)
     assert y.shape == (M, N) and y.dtype == dtype
-    _assert_close(y, ref, bound, _eps_sum(M, dtype, cfg), f"{qtype.name} M={M} N={N} K={K} {dtype} {cfg}")
+    what = f"{qtype.name} M={M} N={N} K={K} {dtype} {cfg}"
+    if _takes_q8(qtype, M, N, K, dtype, cfg):
+        _assert_close(y, ref, bound, 2.0 ** -16, what + " q8", extra=q8_activation_bound(x, w, qtype))
+    else:
+        _assert_close(y, ref, bound, _eps_sum(M, dtype, cfg), what)
+
+
+def _takes_q8(qtype, M, N, K, dtype, cfg) -> bool:
+    """Whether gguf_linear runs the int8-activation path (``gguf_gemv_q8``) for this call."""
+    if cfg is None:
+        if M > 16:
+            return False
+        cfg = pick_config(qtype, M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, dtype,
+                          _device_info(torch.device(DEV))[1])
+    return cfg.q8 and qtype == Q.Q4_K and dtype != torch.float32
 
 
 GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 slices
@@ -108,7 +141,11 @@ def test_gemv_glm5_shapes_production_config(qtype, shape, M):
     W = dequantize(w, qtype, dtype=torch.float32).double()
     ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
     y = gguf_linear(x, w, qtype, N)
-    _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
+    if _takes_q8(qtype, M, N, K, x.dtype, None):  # activations rounded to int8 blocks: their bound + fp32 sums
+        q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double()).cpu()
+        _assert_close(y, ref, bound, 2.0 ** -16, f"{qtype.name} {shape} M={M} q8", extra=q8)
+    else:
+        _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
 
 
 @st.composite
@@ -142,7 +179,8 @@ def test_moe_matches_reference(case):
     _assert_close(y, ref, bound, eps, f"{q13.name}/{q2.name} E={E} T={T} k={k}")
 
 
-@pytest.mark.parametrize("cfg", (GemvConfig(split_k=1), GemvConfig(split_k=4), None), ids=("plain", "split", "auto"))
+@pytest.mark.parametrize("cfg", (GemvConfig(split_k=1), GemvConfig(split_k=4), None,
+                                 GemvConfig(kbs=4, split_k=3, q8=True)), ids=("plain", "split", "auto", "q8"))
 def test_gemv_cuda_graph_replay(cfg):
     """Replays compute on the inputs present at replay time, bit-identical to eager calls (split-K reduces in a
     fixed order, so it is deterministic too)."""
@@ -180,11 +218,9 @@ def test_split_k_on_concurrent_streams():
 def test_moe_cuda_graph_replay(T):
     rng = np.random.default_rng(3)
     E, H, inter, k = 16, 512, 256, 4
-    w13 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, 2 * inter, H, rng) for _ in range(E)])).to(DEV)
-    w2 = torch.from_numpy(np.stack([random_qweight(Q.Q6_K, H, inter, rng) for _ in range(E)])).to(DEV)
+    w13, w2 = _moe_weights(Q.Q4_K, Q.Q6_K, E, H, inter, rng)
     x = torch.randn(T, H, device=DEV).bfloat16()
-    ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
-    wts = torch.rand(T, k, device=DEV)
+    ids, wts = _routing(T, E, k)
     g, out = capture(lambda: gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
@@ -208,16 +244,25 @@ def test_l2_prefetch_changes_no_bit(qtype, M):
             assert torch.equal(gguf_linear(x, w, qtype, N, dataclasses.replace(base, prefetch=prefetch)), want)
 
 
+@pytest.mark.parametrize("M", (1, 3))
+def test_q8_dp4a_equals_its_emulation(M):
+    """The int8-activation GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter's) give the same
+    integers, hence bit-identical outputs, on the GPU; with split-K and a partial row tile."""
+    from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+    x, w, _, _ = _linear_case(Q.Q4_K, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
+    for kw in (dict(), dict(block_n=32, kbs=4, split_k=2)):
+        assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 301, **kw), gguf_linear_q8(x, w, Q.Q4_K, 301, dp4a=False, **kw))
+
+
 def test_moe_prefetch_changes_no_bit(monkeypatch):
     gm = importlib.import_module("glm5serve.kernels.gguf_moe")
     rng = np.random.default_rng(5)
     E, H, inter, k = 8, 512, 256, 4
-    w13 = torch.from_numpy(np.stack([random_qweight(Q.Q5_K, 2 * inter, H, rng) for _ in range(E)])).to(DEV)
-    w2 = torch.from_numpy(np.stack([random_qweight(Q.Q8_0, H, inter, rng) for _ in range(E)])).to(DEV)
+    w13, w2 = _moe_weights(Q.Q5_K, Q.Q8_0, E, H, inter, rng)
     for T in (3, 40):
         x = torch.randn(T, H, device=DEV).bfloat16()
-        ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
-        wts = torch.rand(T, k, device=DEV)
+        ids, wts = _routing(T, E, k)
         outs = []
         for prefetch in (0, 2):
             monkeypatch.setattr(gm, "MOE_PREFETCH", prefetch)
@@ -282,12 +327,10 @@ def test_vllm_ops_route_decode_batches_to_glm5serve():
         _assert_close(y, ref, bound, 2.0 ** -7, f"vllm op M={M}")
     rng = np.random.default_rng(5)
     E, H, inter, k = 8, 512, 256, 2
-    w13 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, 2 * inter, H, rng) for _ in range(E)])).to(DEV)
-    w2 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, H, inter, rng) for _ in range(E)])).to(DEV)
+    w13, w2 = _moe_weights(Q.Q4_K, Q.Q4_K, E, H, inter, rng)
     for T in (4, 40):
         x = torch.randn(T, H, device=DEV).bfloat16()
-        ids = torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32)
-        wts = torch.rand(T, k, device=DEV)
+        ids, wts = _routing(T, E, k)
         y = quantization.fused_moe_gguf(x, w13, w2, wts, ids, int(Q.Q4_K), int(Q.Q4_K), "silu")
         assert torch.equal(y, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q4_K))
 

@@ -8,11 +8,20 @@ import json
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, pick_config
-from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, PREFETCH_MIN_BYTES, SUPPORTED_QTYPES, TUNED_DIR, tuned_configs
+from glm5serve.kernels.gguf_gemv import (
+    BLOCK_SIZES,
+    PREFETCH_MIN_BYTES,
+    Q4_K,
+    Q8_MAX_M,
+    Q8_MIN_BYTES_M1,
+    SUPPORTED_QTYPES,
+    TUNED_DIR,
+    tuned_configs,
+)
 
 TABLES = sorted(TUNED_DIR.glob("*.json"))
 
@@ -52,6 +61,41 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
     K = blocks * qk
     assert pick_config(qtype, M, N, K, 1, torch.bfloat16, "cpu").prefetch == 0
     gpu = pick_config(qtype, M, N, K, 132, torch.bfloat16, "")
+    if gpu.q8:
+        return  # the int8-activation path has its own rule (below)
     assert (gpu.prefetch > 0) == (N * blocks * qb >= PREFETCH_MIN_BYTES)
     # prefetch is the only difference the device name makes (no table for either name)
     assert dataclasses.replace(gpu, prefetch=0) == pick_config(qtype, M, N, K, 132, torch.bfloat16, "cpu")
+
+
+@given(qtype=st.sampled_from(sorted(SUPPORTED_QTYPES)), M=st.integers(1, 256), N=st.integers(1, 40000),
+       blocks=st.integers(1, 64), dtype=st.sampled_from((torch.bfloat16, torch.float16, torch.float32)))
+def test_int8_activations_only_for_q4_k_decode_batches_on_a_gpu(qtype, M, N, blocks, dtype):
+    """q8 (``gguf_gemv_q8``): Q4_K, bf16/fp16 activations, batches 2..Q8_MAX_M and batch 1 from Q8_MIN_BYTES_M1 of
+    weight; never chosen for the interpreter; its programs fill the GPU (>= 2 per SM) unless K is too short."""
+    qk, qb = BLOCK_SIZES[qtype]
+    K = blocks * qk
+    gpu = pick_config(qtype, M, N, K, 132, dtype, "")
+    want = (qtype == Q4_K and dtype != torch.float32
+            and (1 < M <= Q8_MAX_M or (M == 1 and N * blocks * qb >= Q8_MIN_BYTES_M1)))
+    assert gpu.q8 == want
+    assert not pick_config(qtype, M, N, K, 1, dtype, "cpu").q8
+    if gpu.q8:
+        assert gpu.prefetch == 0 and 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1
+        programs = -(-N // gpu.block_n) * gpu.split_k  # per activation row
+        assert programs >= 2 * 132 or gpu.split_k * gpu.kbs >= blocks, (gpu, programs)
+
+
+@given(N=st.integers(1, 40000), blocks=st.integers(1, 64))
+@example(N=512, blocks=24).via("GLM-5 TP=8 expert gate+up, 512 x 6144")
+@example(N=1024, blocks=24).via("few row tiles, many K steps")
+def test_a_batch_and_its_cuda_graph_size_get_the_same_launch(N, blocks):
+    """vLLM replays a decode batch of M in the CUDA graph captured for the next size of 1, 2, 4, 8, 16 (padded
+    rows); eager and graphs compute bit-identical rows only if both sizes take the same kernel and launch."""
+    for qtype in SUPPORTED_QTYPES:
+        K = blocks * BLOCK_SIZES[qtype][0]
+        for M in range(1, 17):
+            padded = next(size for size in (1, 2, 4, 8, 16) if size >= M)
+            for dtype in (torch.bfloat16, torch.float16):
+                want = pick_config(qtype, padded, N, K, 132, dtype, "")
+                assert pick_config(qtype, M, N, K, 132, dtype, "") == want, (qtype, M, N, K)

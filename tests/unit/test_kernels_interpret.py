@@ -194,6 +194,51 @@ else:
         ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
         _check(y, ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -6, what="grouped moe")
 
+    def test_q8_activation_blocks():
+        """quantize_activations: |x - d q| <= d / 2 per value, |q| <= 127, the block maximum maps to +-127, exact
+        block sums, and an all-zero block gives d = 0 and zero codes (no division by zero)."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+        rng = np.random.default_rng(70)
+        x = torch.from_numpy(rng.standard_normal((3, 320)).astype(np.float32))
+        x[1, 32:64] = 0
+        xq, xd, xs = quantize_activations(x.to(torch.bfloat16))
+        xb = x.to(torch.bfloat16).double().view(3, 10, 32)
+        q = xq.double().view(3, 10, 32)
+        assert xq.dtype == torch.int8 and q.abs().max() <= 127
+        assert torch.allclose(xd.double(), xb.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+        assert ((xb - q * xd.double()[..., None]).abs() <= xd.double()[..., None] / 2 * (1 + 1e-5)).all()
+        assert (q.abs().amax(-1)[xd > 0] == 127).all() and xd[1, 1] == 0 and not xq[1, 32:64].any()
+        assert torch.allclose(xs.double(), xb.sum(-1), rtol=1e-6, atol=1e-6)
+
+    @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 3, {}), (3, 16, 2, dict(block_n=4, kbs=1, split_k=2)),
+                                                (2, 33, 5, dict(block_n=8, kbs=2, split_k=2))], ids=str)
+    def test_q8_path_within_its_rounding_bound(M, N, blocks, cfg):
+        """Q4_K x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding bound
+        (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps and split-K;
+        the error must also be far above zero (the activations really are rounded).  ``GemvConfig(q8=True)``
+        through gguf_linear is the same call."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+        from glm5serve.kernels.testing import q8_activation_bound
+
+        x, w, ref, bound = _case(Q.Q4_K, M=M, N=N, K=_k(Q.Q4_K, blocks), seed=80 + N, dtype=torch.bfloat16)
+        y = gguf_linear_q8(x, w, Q.Q4_K, N, **cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        q8 = q8_activation_bound(x, w, Q.Q4_K)
+        err = (y.double() - ref).abs()
+        assert (err <= 2.0 ** -7 * ref.abs() + q8 + FP32_EPS * bound).all(), (err / q8).max()
+        assert (q8 > 1e-3 * bound).all()
+        via = gguf_linear(x, w, Q.Q4_K, N, GemvConfig(**{"block_n": 16, "kbs": 2, "split_k": 1, **cfg}, q8=True))
+        assert torch.equal(via, y)
+
+    def test_q8_path_is_q4_k_only():
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        with pytest.raises(ValueError, match="only Q4_K"):
+            gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 210, dtype=torch.uint8), Q.Q6_K, 4)
+        with pytest.raises(ValueError, match="does not hold 5 rows"):
+            gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
+
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)
         with pytest.raises(ValueError, match="unsupported GGML type"):

@@ -25,6 +25,11 @@ bound by its instruction count before it reaches that bandwidth):
   same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
   fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
+Two later additions: for Q4_K at batches 1-3 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
+rounded to int8 blocks and the codes multiplied with ``dp4a`` (``gguf_gemv_q8``: ~2.9 instead of ~6.3 instructions
+per weight); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
+(``GemvConfig.prefetch``).
+
 ``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
 instruction count per weight in the K loop within a budget (~6-8 for Q4_K: the H200 issues enough instructions
 for ~4 per weight at full bandwidth).
@@ -63,7 +68,9 @@ class GemvConfig:
     tensor cores with x padded to ``block_m`` rows (ignored where the MMA cannot run: fp32 activations,
     ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
     rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
-    ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter)."""
+    ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
+    ``q8`` (Q4_K, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
+    MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -71,6 +78,7 @@ class GemvConfig:
     use_dot: bool = False
     block_m: int = 16
     prefetch: int = 0
+    q8: bool = False
 
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
@@ -419,7 +427,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
     acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm,
                     mi.to(tl.int64) * stride_xm, mi < M - m0, 1.0, QTYPE, KBS, BLOCK_M, USE_DOT, PREFETCH)
     y = _reduce_acc(acc, USE_DOT)
-    m = m0 + tl.arange(0, BLOCK_M)
+    _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
+
+
+@triton.jit
+def _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m,
+                BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store the [BLOCK_M, BLOCK_N] fp32 tile y of program (pid_n, pid_k, pid_m) (activation rows from
+    pid_m * BLOCK_M, output rows ``rows``) in y_ptr's dtype.  With SPLIT_K > 1 y is this program's partial: it goes
+    to part_ptr (fp32 [SPLIT_K, M tiles * BLOCK_M, N]), the tile's counter in count_ptr is bumped, and the last of
+    the tile's SPLIT_K programs sums the partials in split order (deterministic), stores the output and resets the
+    counter."""
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ymask = (m < M)[:, None] & rmask[None, :]
     if SPLIT_K > 1:
         m_pad = tl.num_programs(2) * BLOCK_M
@@ -429,7 +448,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
         counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
         tl.debug_barrier()  # all threads' partial stores precede the (single-thread) release
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            y = tl.zeros(y.shape, dtype=tl.float32)
             for k in range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
                 y += tl.load(part_ptr + k * m_pad * N + tile, mask=ymask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
@@ -523,6 +542,15 @@ _FMA_TILE = {Q4_K: (16, 2), Q5_K: (16, 2), Q6_K: (16, 2), Q8_0: (16, 8), Q4_0: (
 _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (64, 2), Q5_0: (64, 2)}
 
 
+#: int8 activations (``GemvConfig.q8``) for Q4_K: H200, session 6, same run, microseconds (q8 / fp32 decode /
+#: bf16 cuBLAS): batch 1 lm_head/8 37.4 / 48.6 / 64.3, expert gate/up 8.4 / 9.1 / 11.4, down 7.6 / 11.0 / 9.3;
+#: batch 2 gate/up 12.2 / 16.7, q_b/8 7.0 / 8.6; at batch 4 even (gate/up 18.6 / 17.7, gate+up/8 8.4 / 9.4), past
+#: it slower.  Up to 4, not 3: vLLM pads a decode batch of 3 to its CUDA graph of 4, and eager and graphs must take
+#: the same path (the launch parameters below do not depend on M either).  At batch 1 its second launch
+#: (quantizing x) costs more than it saves below ~4 MB of weight (q_b/8 5.9 / 5.3).
+Q8_MAX_M = 4
+Q8_MIN_BYTES_M1 = 4 << 20
+
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
 #: (214); 1 step on the FMA path 50.0 us at 1 row (51.2); 7-13 MB weights were 1-5 % slower with it.
@@ -534,14 +562,23 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
                 device_name: str = "") -> GemvConfig:
     """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
     smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
-    programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more (never for ``device_name``
-    "cpu": the Triton interpreter has no inline PTX)."""
+    programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``)
+    for Q4_K at batches 2..Q8_MAX_M and at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for ``device_name``
+    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     for m in sorted({key[1] for key in tuned if key[1] >= M}):
         cfg = tuned.get((qtype, m, N, K))
         if cfg is not None and (not cfg.use_dot or dtype in (torch.bfloat16, torch.float16)):
             return cfg
     nb = K // BLOCK_SIZES[qtype][0]
+    weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
+    if qtype == Q4_K and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
+            1 < M <= Q8_MAX_M or (M == 1 and weight_bytes >= Q8_MIN_BYTES_M1)):
+        kbs = min(4, _pow2_at_most(nb))
+        steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, 16)
+        split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(8 * sms, tiles))
+        split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
+        return GemvConfig(block_n=16, kbs=kbs, split_k=split, num_warps=4, q8=True)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))
@@ -552,7 +589,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     split = max(1, min(steps, triton.cdiv(4 * sms, programs)))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
     prefetch = 0
-    if device_name != "cpu" and N * nb * BLOCK_SIZES[qtype][1] >= PREFETCH_MIN_BYTES:
+    if device_name != "cpu" and weight_bytes >= PREFETCH_MIN_BYTES:
         prefetch = 2 if use_dot else 1
     return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4 if block_m <= 32 else 8,
                       use_dot=use_dot, block_m=block_m if use_dot else 16, prefetch=prefetch)
@@ -649,11 +686,13 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
         N: output features (rows of the weight used).
-        config: launch parameters (default: ``pick_config``; for bf16/fp16 x of more than MAX_FAST_M rows the
+        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K with bf16/fp16 x and is
+            ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
             default is no fused kernel: W is dequantized to x's dtype, DEQUANT_CHUNK_BYTES at a time, and
             multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:
-        (M, N) in x's dtype; accumulation in fp32.
+        (M, N) in x's dtype; accumulation in fp32.  On the ``q8`` path x is first rounded to int8 blocks of 32
+        (error bound in ``gguf_gemv_q8``), as llama.cpp's CUDA backend and the plugin's ``*_a8`` kernels do.
     Raises:
         ValueError: unsupported type or inconsistent shapes.
     Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.
@@ -672,6 +711,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
+    if config.q8 and qtype == Q4_K and x.dtype != torch.float32:
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        return gguf_linear_q8(x, qweight, qtype, N, config.block_n, config.kbs, config.split_k, config.num_warps,
+                              config.prefetch)
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
     block_m = config.block_m if use_dot else 1

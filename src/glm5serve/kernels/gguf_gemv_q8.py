@@ -1,0 +1,192 @@
+"""Q4_K GEMV with the activations quantized to 8-bit blocks, as llama.cpp's CUDA backend does it (MMVQ:
+``quantize_q8_1`` then ``vec_dot_q4_K_q8_1``, ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's
+``ggml_mul_mat_vec_a8`` is the same).
+
+Why: the fp32 decode of ``gguf_gemv`` spends ~6 SASS instructions per weight, which caps a batch-1 GEMV on an H200
+below half of its memory bandwidth.  Here the 4-bit codes stay packed: ``q & 0x0F0F0F0F`` is four codes as bytes,
+and one ``dp4a`` multiplies them with four int8 activations and adds the products (exact integer arithmetic), so
+the K loop costs ~1.5 instructions per weight.  The float work is per (row, 32-weight sub-block).
+
+Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
+/ 127, so |x_i - d_x q_i| <= d_x / 2.  For one output row the error is therefore at most
+``sum_s (d_x,s / 2) * sum_{i in s} |w_i|`` plus fp32 rounding; the K-quants' min term uses the exact sum of the
+32 activations (llama.cpp uses d_x * sum q_i), so only the scaled codes see the rounding.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5serve.kernels.gguf_gemv import (
+    BLOCK_SIZES,
+    Q4_K,
+    _as_words,
+    _f16_hi,
+    _f16_lo,
+    _kquant_scale_min,
+    _prefetch_l2,
+    _tile_counters,
+    _write_tile,
+)
+
+QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, K, stride_xm, BLOCKS: tl.constexpr):
+    """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
+    xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b]."""
+    m = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    bmask = b < K // 32
+    cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(x * inv[:, None] + 0.5)  # |q| <= 127 (x * inv rounds to at most 127.00001)
+    tl.store(xq_ptr + m * K + cols, q.to(tl.int32).to(tl.int8), mask=bmask[:, None])
+    tl.store(xd_ptr + m * (K // 32) + b, amax / 127.0, mask=bmask)
+    tl.store(xs_ptr + m * (K // 32) + b, tl.sum(x, axis=1), mask=bmask)
+
+
+@triton.jit
+def _dp4a(a, b, c, EMULATE: tl.constexpr):
+    """c + the sum of the four signed-byte products of int32 words a and b (PTX ``dp4a.s32.s32``); EMULATE: the
+    same with shifts, for the Triton interpreter (no inline PTX there)."""
+    if EMULATE:
+        for i in tl.static_range(4):
+            c += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+    """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
+
+    Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
+    nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
+    activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
+    """
+    g = tl.arange(0, 4 * KBS)
+    t = tl.arange(0, 8)
+    kb = b0 + g // 4
+    j = g % 4
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :] * 36
+    h0 = tl.load(blk, mask=wmask, other=0)
+    h1 = tl.load(blk + 1, mask=wmask, other=0)
+    h2 = tl.load(blk + 2, mask=wmask, other=0)
+    h3 = tl.load(blk + 3, mask=wmask, other=0)
+    q = tl.load(blk[:, :, None] + 4 + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
+                eviction_policy="evict_first")
+    xo = (kb * 64 + j * 16)[:, None] + t[None, :]
+    xlo = tl.broadcast_to(tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)[None, :, :], q.shape)
+    xhi = tl.broadcast_to(tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)[None, :, :], q.shape)
+    zero = tl.zeros(q.shape, dtype=tl.int32)
+    dlo = tl.sum(_dp4a(q & 0x0F0F0F0F, xlo, zero, EMULATE), axis=2).to(tl.float32)
+    dhi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, xhi, zero, EMULATE), axis=2).to(tl.float32)
+    sb = kb * 8 + 2 * j  # sub-block 2j of the row's activation blocks
+    dx_lo = tl.load(xd_ptr + sb, mask=bmask, other=0.0)[None, :]
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=bmask, other=0.0)[None, :]
+    sx_lo = tl.load(xs_ptr + sb, mask=bmask, other=0.0)[None, :]
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=bmask, other=0.0)[None, :]
+    sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
+    sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
+    # weight = d * sc * u - dmin * mn (gguf-py Q4_K.dequantize_blocks); sum_i w_i x_i per sub-block
+    return acc + _f16_lo(h0) * (sc0 * dx_lo * dlo + sc1 * dx_hi * dhi) - _f16_hi(h0) * (mn0 * sx_lo + mn1 * sx_hi)
+
+
+@triton.jit
+def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
+                    stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, SPLIT_K: tl.constexpr,
+                    PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (N tiles, SPLIT_K, M): one activation row per program; split-K as ``gguf_gemv._gemv_kernel``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
+    blk_begin = pid_k * blocks_per_split
+    blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    xw = xw_ptr + m.to(tl.int64) * nb * 64
+    xd = xd_ptr + m.to(tl.int64) * nb * 8
+    xs = xs_ptr + m.to(tl.int64) * nb * 8
+    acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
+    for d in tl.static_range(1, PREFETCH):
+        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)
+    for b0 in range(blk_begin, blk_end, KBS):
+        if PREFETCH > 0:
+            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
+        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
+    y = tl.sum(acc, axis=1)[None, :]
+    _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, m, 1, SPLIT_K)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16/fp16/fp32, K a multiple of 32 -> (int8 codes (M, K), fp32 scales d (M, K/32), fp32 exact block
+    sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp
+    ``quantize_q8_1``, round half up)."""
+    M, K = x.shape
+    if K % QK8:
+        raise ValueError(f"quantize_activations: K={K} is not a multiple of {QK8}")
+    xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    xd = torch.empty((M, K // QK8), dtype=torch.float32, device=x.device)
+    xs = torch.empty_like(xd)
+    blocks = 8
+    if M and K:
+        _quantize_x_kernel[(M, triton.cdiv(K // QK8, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
+                                                                 num_warps=4)
+    return xq, xd, xs
+
+
+def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 16, kbs: int = 2,
+                   split_k: int = 1, num_warps: int = 4, prefetch: int = 0, dp4a: bool = True) -> torch.Tensor:
+    """y = x @ dequantize(qweight)[:N].T with x quantized to int8 blocks of 32 (see the module docstring).
+
+    Args:
+        x: (M, K) bf16/fp16/fp32 activations (row stride free, unit column stride).
+        qweight: (>= N, >= row_bytes) uint8 raw Q4_K rows (row_bytes = K / 256 * 144).
+        qtype: must be Q4_K (12).
+        N: output features; block_n, kbs, split_k, num_warps, prefetch: launch parameters as ``GemvConfig``.
+        dp4a: False computes the same integer dot products with shifts and multiplies (always so under the
+            Triton interpreter, which has no inline PTX); the results are bit-identical.
+    Returns:
+        (M, N) in x's dtype, accumulated in fp32.
+    Raises:
+        ValueError: another type, or K not a multiple of 256.
+    Capture-safe under CUDA graphs (two launches, no host synchronisation).
+    """
+    if int(qtype) != Q4_K:
+        raise ValueError(f"gguf_linear_q8: only Q4_K (12) is supported, got type {int(qtype)}")
+    M, K = x.shape
+    qk, qb = BLOCK_SIZES[Q4_K]
+    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
+        raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
+    if M == 0 or N == 0:
+        return x.new_zeros((M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nb = K // qk
+    xq, xd, xs = quantize_activations(x)
+    w = _as_words(qweight, Q4_K)
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
+    split = triton.cdiv(nb, blocks_per_split)
+    grid = (triton.cdiv(N, block_n), split, M)
+    y = x.new_empty((M, N))
+    if split > 1:
+        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * M)
+    else:
+        part = counters = y  # unused
+    emulate = x.device.type != "cuda" or not dp4a
+    _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, w, y, part, counters, M, N, nb, blocks_per_split,
+                          w.stride(0), y.stride(0), BLOCK_N=block_n, KBS=kbs, SPLIT_K=split,
+                          PREFETCH=prefetch if x.device.type == "cuda" else 0, EMULATE=emulate,
+                          num_warps=num_warps)
+    return y
