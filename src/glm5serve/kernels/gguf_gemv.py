@@ -25,7 +25,7 @@ bound by its instruction count before it reaches that bandwidth):
   same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
   fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
-Two later additions: for Q4_K at batches 1-3 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
+Two later additions: for Q4_K at batches 1-4 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
 rounded to int8 blocks and the codes multiplied with ``dp4a`` (``gguf_gemv_q8``: ~2.9 instead of ~6.3 instructions
 per weight); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
 (``GemvConfig.prefetch``).
