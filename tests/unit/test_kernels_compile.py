@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import importlib  # noqa: E402
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 
 g = importlib.import_module("glm5serve.kernels.gguf_gemv")
@@ -83,8 +84,14 @@ def _gemv_sig(qtype: int) -> dict:
                 stride_wn="i32", stride_ym="i32")
 
 
+def _production_config(qtype: int, use_dot: bool) -> g.GemvConfig:
+    """pick_config's tile for a 2048 x 6144 weight: at 16 bf16 rows (tensor cores), or at 1 fp32 row (the FMA path,
+    which bf16 Q4_K at batch 1 leaves to the int8-activation kernel for weights this large)."""
+    return g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132, torch.bfloat16 if use_dot else torch.float32)
+
+
 def _gemv(qtype: int, use_dot: bool):
-    cfg = g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132)
+    cfg = _production_config(qtype, use_dot)
     G, T = g.tile_shape(qtype, cfg.kbs)
     sig = _gemv_sig(qtype)
     const = dict(QTYPE=qtype, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
@@ -187,7 +194,7 @@ def test_prefetch_issues_l2_prefetches_in_the_loop(qtype, use_dot):
     prefetch 0 leaves none."""
     counts = []
     for prefetch in (0, 2):
-        cfg = g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132)
+        cfg = _production_config(qtype, use_dot)
         G, T = g.tile_shape(qtype, cfg.kbs)
         sig = _gemv_sig(qtype)
         const = dict(QTYPE=qtype, BLOCK_M=16 if use_dot else 1, BLOCK_N=cfg.block_n, KBS=cfg.kbs, G=G, T=T,
