@@ -116,7 +116,7 @@ def _takes_q8(qtype, M, N, K, dtype, cfg) -> bool:
             return False
         cfg = pick_config(qtype, M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, dtype,
                           _device_info(torch.device(DEV))[1])
-    return cfg.q8 and qtype == Q.Q4_K and dtype != torch.float32
+    return cfg.q8 and qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K) and dtype != torch.float32
 
 
 GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 slices
@@ -245,14 +245,16 @@ def test_l2_prefetch_changes_no_bit(qtype, M):
 
 
 @pytest.mark.parametrize("M", (1, 3))
-def test_q8_dp4a_equals_its_emulation(M):
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
+def test_q8_dp4a_equals_its_emulation(qtype, M):
     """The int8-activation GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter's) give the same
     integers, hence bit-identical outputs, on the GPU; with split-K and a partial row tile."""
     from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-    x, w, _, _ = _linear_case(Q.Q4_K, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
+    K = 8 * 256
+    x, w, _, _ = _linear_case(qtype, M, 301, K, torch.bfloat16, seed=90 + M)
     for kw in (dict(), dict(block_n=32, kbs=4, split_k=2)):
-        assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 301, **kw), gguf_linear_q8(x, w, Q.Q4_K, 301, dp4a=False, **kw))
+        assert torch.equal(gguf_linear_q8(x, w, qtype, 301, **kw), gguf_linear_q8(x, w, qtype, 301, dp4a=False, **kw))
 
 
 def test_moe_prefetch_changes_no_bit(monkeypatch):

@@ -69,8 +69,8 @@ class GemvConfig:
     ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
     rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
-    ``q8`` (Q4_K, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
-    MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
+    ``q8`` (Q4_K, Q8_0, Q6_K; bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as
+    llama.cpp's MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -376,10 +376,11 @@ def _reduce_acc(acc, USE_DOT: tl.constexpr):
 def _prefetch_l2(row_ptr, rmask, b0, blk_end, QTYPE: tl.constexpr, KBS: tl.constexpr):
     """Ask L2 for blocks [b0, b0 + KBS) of each row (one ``prefetch.global.L2`` per 128-byte line, predicated on
     rmask and b0 < blk_end).  The data is not waited for: the lines are on their way while this step decodes."""
-    WORDS: tl.constexpr = QTYPE == 12 or QTYPE == 13  # row_ptr points at int32 words
-    QB: tl.constexpr = (144 if QTYPE == 12 else 176) // 4 if WORDS else (210 if QTYPE == 14 else 34 if QTYPE == 8
-                                                                          else 18 if QTYPE == 2 else 22)
-    LINE: tl.constexpr = 32 if WORDS else 128  # pointer elements per 128-byte line
+    EB: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes per pointer element: 1, 2 or 4
+    BYTES: tl.constexpr = (144 if QTYPE == 12 else 176 if QTYPE == 13 else 210 if QTYPE == 14 else 34 if QTYPE == 8
+                           else 18 if QTYPE == 2 else 22)
+    QB: tl.constexpr = BYTES // EB  # pointer elements per block
+    LINE: tl.constexpr = 128 // EB  # pointer elements per 128-byte line
     NL: tl.constexpr = triton.next_power_of_2((KBS * QB + LINE - 1) // LINE + 1)
     start = b0 * QB
     # line starts, the last clamped to the step's last element: every line the step touches gets one prefetch
@@ -686,8 +687,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
         N: output features (rows of the weight used).
-        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K with bf16/fp16 x and is
-            ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
+        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K, Q8_0 and Q6_K with bf16/fp16
+            x and is ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
             default is no fused kernel: W is dequantized to x's dtype, DEQUANT_CHUNK_BYTES at a time, and
             multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:
@@ -711,7 +712,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
-    if config.q8 and qtype == Q4_K and x.dtype != torch.float32:
+    if config.q8 and qtype in (Q4_K, Q8_0, Q6_K) and x.dtype != torch.float32:  # gguf_gemv_q8.Q8_TYPES
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
         return gguf_linear_q8(x, qweight, qtype, N, config.block_n, config.kbs, config.split_k, config.num_warps,

@@ -88,17 +88,19 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> torch.Tensor:
     """Worst-case effect of rounding x to int8 blocks of 32 (``gguf_gemv_q8``) on x @ W.T: ``sum_i |s_ni| d_mi / 2``
-    as a float64 (M, N) tensor, d_mi = max |x| over the 32-block of column i / 127 and s the scaled-code part of
-    each weight (the min term is computed from exact activation sums): W minus the same blocks dequantized with
-    every code zeroed.  ``raw``: (N, row_bytes) uint8 numpy or torch; ``dequant_fn(raw, qtype)`` -> float64
-    (default: gguf-py, on the CPU).  Q4_K only (codes follow the 4 + 12 header bytes of ``block_q4_K``)."""
-    if Q(qtype) != Q.Q4_K:
-        raise ValueError(f"q8_activation_bound: only Q4_K, got {Q(qtype).name}")
+    as a float64 (M, N) tensor, d_mi = max |x| over the 32-block of column i / 127.  s is the part of each weight
+    that multiplies the rounded activations: for Q4_K its scaled code (the min term is computed from exact activation
+    sums), i.e. W minus the same blocks dequantized with every code zeroed; for Q8_0 and Q6_K the whole weight.
+    ``raw``: (N, row_bytes) uint8 numpy or torch; ``dequant_fn(raw, qtype)`` -> float64 (default: gguf-py, CPU)."""
+    if Q(qtype) not in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
+        raise ValueError(f"q8_activation_bound: no int8-activation kernel for {Q(qtype).name}")
     dequant_fn = dequant_fn or dequant
     raw = torch.as_tensor(raw)
-    codes0 = raw.clone().view(raw.shape[0], -1, 144)
-    codes0[:, :, 16:] = 0
-    S = dequant_fn(raw, qtype) - dequant_fn(codes0.view(raw.shape), qtype)
+    S = dequant_fn(raw, qtype)
+    if Q(qtype) == Q.Q4_K:  # codes follow the 4 + 12 header bytes of ``block_q4_K``
+        codes0 = raw.clone().view(raw.shape[0], -1, 144)
+        codes0[:, :, 16:] = 0
+        S = S - dequant_fn(codes0.view(raw.shape), qtype)
     x64 = x.detach().to(S.device).double()
     d = x64.abs().reshape(x64.shape[0], -1, 32).amax(-1) / 127
     return (d / 2).repeat_interleave(32, dim=1) @ S.abs().T
