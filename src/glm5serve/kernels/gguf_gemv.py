@@ -281,7 +281,6 @@ def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
     i = tl.arange(0, 32)
     kb = b0 + g
     bmask = kb < nb
-    one = _one_bits(nb)
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 34
     d = _f16_bytes(blk, wmask)
@@ -551,6 +550,9 @@ _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (
 #: (quantizing x) costs more than it saves below ~4 MB of weight (q_b/8 5.9 / 5.3).
 Q8_MAX_M = 4
 Q8_MIN_BYTES_M1 = 4 << 20
+#: types with an int8-activation kernel (``gguf_gemv_q8``); ``pick_config`` chooses it by default for Q4_K only
+#: (Q8_0 and Q6_K: opt-in with ``GemvConfig(q8=True)`` until measured on a GPU)
+Q8_TYPES = frozenset({Q4_K, Q8_0, Q6_K})
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
@@ -712,7 +714,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
-    if config.q8 and qtype in (Q4_K, Q8_0, Q6_K) and x.dtype != torch.float32:  # gguf_gemv_q8.Q8_TYPES
+    if config.q8 and qtype in Q8_TYPES and x.dtype != torch.float32:
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
         return gguf_linear_q8(x, qweight, qtype, N, config.block_n, config.kbs, config.split_k, config.num_warps,

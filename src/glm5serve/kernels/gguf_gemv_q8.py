@@ -29,8 +29,7 @@ import triton.language as tl
 from glm5serve.kernels.gguf_gemv import (
     BLOCK_SIZES,
     Q4_K,
-    Q6_K,
-    Q8_0,
+    Q8_TYPES,
     _as_words,
     _f16_hi,
     _f16_lo,
@@ -41,9 +40,6 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
-#: types with an int8-activation kernel; ``pick_config`` chooses it by default for Q4_K only (Q8_0 and Q6_K: opt-in
-#: with ``GemvConfig(q8=True)`` until measured on a GPU)
-Q8_TYPES = frozenset({Q4_K, Q8_0, Q6_K})
 
 
 @triton.jit
