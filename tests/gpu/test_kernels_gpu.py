@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
-from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info
+from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, Q8_TYPES, _device_info
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
@@ -116,7 +116,7 @@ def _takes_q8(qtype, M, N, K, dtype, cfg) -> bool:
             return False
         cfg = pick_config(qtype, M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, dtype,
                           _device_info(torch.device(DEV))[1])
-    return cfg.q8 and qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K) and dtype != torch.float32
+    return cfg.q8 and qtype in Q8_TYPES and dtype != torch.float32
 
 
 GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 slices
