@@ -219,34 +219,22 @@ def test_tuned_configs_compile_without_spills(key):
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
 
 
-#: (BLOCK_N, KBS, max SASS instructions per weight) of the int8-activation kernel per type: Q4_K at its production
-#: tile (measured 2.9; its fp32 decode 6.3), Q8_0 and Q6_K at the tiles they are to be measured with (4.7 and 6.2;
-#: fp32 decode 12.3 and 15.8)
-Q8_TILES = {g.Q4_K: (16, 4, 3.5), g.Q8_0: (16, 8, 5.5), g.Q6_K: (16, 2, 7.5)}
-
-
-@pytest.mark.parametrize("qtype", sorted(Q8_TILES), ids=lambda q: g._NAMES[q])
-def test_q8_kernel_uses_dp4a_within_budget(qtype):
-    """The int8-activation GEMV (``gguf_gemv_q8``): IDP.4A in the K loop, no spills, no cross-lane shuffles or
-    barriers in the loop, and an instruction budget per weight."""
+def test_q8_kernel_uses_dp4a_within_budget():
+    """The int8-activation Q4_K GEMV (``gguf_gemv_q8``) at its production tile: IDP.4A in the K loop, no spills,
+    <= 3.5 SASS instructions per weight (measured 2.9; the fp32 decode needs 6.3)."""
     q8 = importlib.import_module("glm5serve.kernels.gguf_gemv_q8")
-    block_n, kbs, budget = Q8_TILES[qtype]
-    if qtype == g.Q4_K:
-        cfg = g.pick_config(g.Q4_K, 1, 2048, 6144, 132)
-        assert cfg.q8 and (cfg.block_n, cfg.kbs) == (block_n, kbs)
-    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", w_ptr="*i32" if qtype == g.Q4_K else "*i16",
-               y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
-               stride_wn="i32", stride_ym="i32")
-    k = _compile(q8._gemv_q8_kernel, sig, dict(BLOCK_N=block_n, KBS=kbs, SPLIT_K=4, PREFETCH=0, EMULATE=False,
-                                                QTYPE=qtype), ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), 4)
+    cfg = g.pick_config(g.Q4_K, 1, 2048, 6144, 132)
+    assert cfg.q8 and (cfg.block_n, cfg.kbs, cfg.num_warps) == (16, 4, 4)
+    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
+    k = _compile(q8._gemv_q8_kernel, sig, dict(BLOCK_N=cfg.block_n, KBS=cfg.kbs, SPLIT_K=4, PREFETCH=0,
+                                                EMULATE=False), ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), 4)
     sass, usage = _sass(k)
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     assert ops["IDP.4A.S8.S8"] > 0, ops.most_common(8)
-    per_weight = sum(ops.values()) / (block_n * kbs * g.BLOCK_SIZES[qtype][0] / 128)
-    assert per_weight <= budget, (per_weight, ops.most_common(8))
-    if qtype != g.Q4_K:
-        assert not any(o.startswith(("SHFL", "BAR")) for o in ops), ops.most_common(12)
+    per_weight = sum(ops.values()) / (cfg.block_n * cfg.kbs * 256 / 128)  # 128 threads
+    assert per_weight <= 3.5, (per_weight, ops.most_common(8))
 
 
 def test_activation_quantizer_compiles_without_spills():

@@ -28,6 +28,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         assert r.returncode == 0, f"interpreted kernel tests failed:\n{r.stdout[-12000:]}\n{r.stderr[-3000:]}"
 
 else:
+    import dataclasses
+
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType as Q
@@ -211,17 +213,17 @@ else:
         assert (q.abs().amax(-1)[xd > 0] == 127).all() and xd[1, 1] == 0 and not xq[1, 32:64].any()
         assert torch.allclose(xs.double(), xb.sum(-1), rtol=1e-6, atol=1e-6)
 
-    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
     @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 3, {}), (3, 16, 2, dict(block_n=4, kbs=1, split_k=2)),
                                                 (2, 33, 5, dict(block_n=8, kbs=2, split_k=2))], ids=str)
-    def test_q8_path_within_its_rounding_bound(qtype, M, N, blocks, cfg):
-        """Weights x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding bound
+    def test_q8_path_within_its_rounding_bound(M, N, blocks, cfg):
+        """Q4_K x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding bound
         (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps and split-K;
         the error must also be far above zero (the activations really are rounded).  ``GemvConfig(q8=True)``
         through gguf_linear is the same call."""
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
         from glm5serve.kernels.testing import q8_activation_bound
 
+        qtype = Q.Q4_K
         x, w, ref, bound = _case(qtype, M=M, N=N, K=_k(qtype, blocks), seed=80 + N, dtype=torch.bfloat16)
         y = gguf_linear_q8(x, w, qtype, N, **cfg)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
@@ -235,22 +237,32 @@ else:
         xq, xd, _ = quantize_activations(x)
         xr = (xq.double().view(M, -1, 32) * xd.double()[..., None]).view(M, -1)
         W = dequant(w, qtype)
-        W0 = torch.zeros_like(W)
-        if qtype == Q.Q4_K:  # the min term meets the exact activations
-            w0 = w.clone().view(N, -1, 144)
-            w0[:, :, 16:] = 0
-            W0 = dequant(w0.view(N, -1), qtype)
+        w0 = w.clone().view(N, -1, 144)  # codes zeroed: the min term, which meets the exact activations
+        w0[:, :, 16:] = 0
+        W0 = dequant(w0.view(N, -1), qtype)
         sem = xr @ (W - W0).T + x.double() @ W0.T
         scale = xr.abs() @ (W - W0).abs().T + x.double().abs() @ W0.abs().T
         assert ((y.double() - sem).abs() <= 2.0 ** -7 * sem.abs() + FP32_EPS * scale).all()
         via = gguf_linear(x, w, qtype, N, GemvConfig(**{"block_n": 16, "kbs": 2, "split_k": 1, **cfg}, q8=True))
         assert torch.equal(via, y)
 
+    @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
+    def test_q8_config_is_ignored_for_other_types(qtype):
+        """Q8_0 and Q6_K have no int8-activation kernel (removed: slower than their fp32 decode, see
+        ``gguf_gemv_q8``): ``GemvConfig(q8=True)`` runs the normal path, bit-identical to q8=False and within the
+        fp32-sum budget, far below what rounding the activations would cost."""
+        x, w, ref, bound = _case(qtype, M=2, N=19, K=_k(qtype, 3), seed=85 + int(qtype), dtype=torch.bfloat16)
+        cfg = GemvConfig(block_n=8, kbs=1, split_k=2)
+        y = gguf_linear(x, w, qtype, 19, dataclasses.replace(cfg, q8=True))
+        assert torch.equal(y, gguf_linear(x, w, qtype, 19, cfg))
+        _check(y, ref, bound, rel_out=2.0 ** -7, what=f"{qtype.name} q8=True")
+
     def test_q8_path_types_and_shapes_are_checked():
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-        with pytest.raises(ValueError, match="only Q4_K, Q8_0 and Q6_K"):
-            gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 176, dtype=torch.uint8), Q.Q5_K, 4)
+        for qtype, row in ((Q.Q8_0, 34 * 8), (Q.Q6_K, 210), (Q.Q5_K, 176)):
+            with pytest.raises(ValueError, match=f"only Q4_K is supported, got {qtype.name}"):
+                gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, row, dtype=torch.uint8), qtype, 4)
         with pytest.raises(ValueError, match="does not hold 5 rows"):
             gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
 

@@ -69,8 +69,8 @@ class GemvConfig:
     ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
     rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
-    ``q8`` (Q4_K, Q8_0, Q6_K; bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as
-    llama.cpp's MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
+    ``q8`` (Q4_K, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
+    MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -550,9 +550,9 @@ _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (
 #: (quantizing x) costs more than it saves below ~4 MB of weight (q_b/8 5.9 / 5.3).
 Q8_MAX_M = 4
 Q8_MIN_BYTES_M1 = 4 << 20
-#: types with an int8-activation kernel (``gguf_gemv_q8``); ``pick_config`` chooses it by default for Q4_K only
-#: (Q8_0 and Q6_K: opt-in with ``GemvConfig(q8=True)`` until measured on a GPU)
-Q8_TYPES = frozenset({Q4_K, Q8_0, Q6_K})
+#: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others.  Q8_0 and
+#: Q6_K had one, slower than their fp32 decode on the H200 (session 7; numbers in ``gguf_gemv_q8``), so removed.
+Q8_TYPES = frozenset({Q4_K})
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
@@ -689,8 +689,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
         N: output features (rows of the weight used).
-        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K, Q8_0 and Q6_K with bf16/fp16
-            x and is ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
+        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K with bf16/fp16 x and is
+            ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
             default is no fused kernel: W is dequantized to x's dtype, DEQUANT_CHUNK_BYTES at a time, and
             multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:

@@ -1,9 +1,7 @@
 """GGUF GEMV with the activations quantized to 8-bit blocks, as llama.cpp's CUDA backend does it (MMVQ:
-``quantize_q8_1`` then ``vec_dot_q4_K_q8_1`` / ``vec_dot_q6_K_q8_1`` / ``vec_dot_q8_0_q8_1``,
-ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's ``ggml_mul_mat_vec_a8`` is the same), for Q4_K,
-Q8_0 and Q6_K.  ``pick_config`` chooses it for Q4_K (measured on an H200, see ``gguf_gemv``); Q8_0 and Q6_K run it
-only with an explicit ``GemvConfig(q8=True)`` until they are measured (compiled for sm_90 they need 4.7 and 6.2 SASS
-instructions per weight against 12.3 and 15.8 for the fp32 decode).
+``quantize_q8_1`` then ``vec_dot_q4_K_q8_1``, ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's
+``ggml_mul_mat_vec_a8`` is the same), for Q4_K only; ``pick_config`` chooses it (measured on an H200, see
+``gguf_gemv``).
 
 Why: the fp32 decode of ``gguf_gemv`` spends ~6 SASS instructions per weight, which caps a batch-1 GEMV on an H200
 below half of its memory bandwidth.  Here the 4-bit codes stay packed: ``q & 0x0F0F0F0F`` is four codes as bytes,
@@ -11,8 +9,11 @@ and one ``dp4a`` multiplies them with four int8 activations and adds the product
 the K loop costs ~3 SASS instructions per weight (2.9 measured for sm_90, ``tests/unit/test_kernels_compile.py``).
 The float work is per (row, 32-weight sub-block).
 
-The description below is Q4_K's; Q8_0 and Q6_K codes are signed (Q6_K: 0..63 minus 32, the 32 taken off through
-the sum of the activation codes), so their whole weight multiplies the rounded activations.
+Q8_0 and Q6_K were tried (llama.cpp's ``vec_dot_q8_0_q8_1`` / ``vec_dot_q6_K_q8_1``; correct: dp4a == emulation on
+the GPU, within the rounding bound) and removed: slower than the fp32 decode on 35 of 36 (type, GLM-5 shape, batch
+1/2/4) cases.  H200, session 7, CUDA graphs, microseconds, int8 / fp32 decode / bf16 cuBLAS: Q8_0 lm_head/8 batch 1
+161.4 / 87.3 / 61.3, expert gate/up batch 4 65.4 / 18.5; Q6_K lm_head/8 batch 1 95.6 / 81.0 / 61.8.  Their 34- and
+210-byte blocks are only 2-byte aligned, so the codes had to be read as int16 pairs.
 
 Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
 / 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code) and
@@ -29,7 +30,7 @@ import triton.language as tl
 from glm5serve.kernels.gguf_gemv import (
     BLOCK_SIZES,
     Q4_K,
-    Q8_TYPES,
+    _NAMES,
     _as_words,
     _f16_hi,
     _f16_lo,
@@ -111,91 +112,11 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
 
 
 @triton.jit
-def _halves_to_words(ptr, mask):
-    """int32 words from pairs of int16 at ptr, ptr + 1 (little-endian): blocks of 34 and 210 bytes are only 2-byte
-    aligned, so their bytes are read as int16."""
-    lo = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32) & 0xFFFF
-    hi = tl.load(ptr + 1, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    return lo | (hi << 16)
-
-
-@triton.jit
-def _step_q8_0_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
-    """KBS Q8_0 blocks (17 int16: d, then 32 int8 codes) of BLOCK_N rows; acc: [BLOCK_N, KBS] fp32.  Block kb
-    lines up with activation block kb: sum_i w_i x_i = d * d_x * sum_i q_i q_x,i (llama.cpp vec_dot_q8_0_q8_1).
-    The 8 words of a block are a chain of dp4a (no cross-thread sums)."""
-    kb = b0 + tl.arange(0, KBS)
-    bmask = kb < nb
-    wmask = rmask[:, None] & bmask[None, :]
-    blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 17
-    dot = tl.zeros(wmask.shape, dtype=tl.int32)
-    for t in tl.static_range(8):
-        xw = tl.load(xw_ptr + kb * 8 + t, mask=bmask, other=0)[None, :]
-        dot = _dp4a(_halves_to_words(blk + 1 + 2 * t, wmask), tl.broadcast_to(xw, dot.shape), dot, EMULATE)
-    d = tl.load(blk, mask=wmask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    return acc + d * tl.load(xd_ptr + kb, mask=bmask, other=0.0)[None, :] * dot.to(tl.float32)
-
-
-@triton.jit
-def _step_q6_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
-    """KBS Q6_K super-blocks (105 int16: ql[128] qh[64] scales[16] d) of BLOCK_N rows; acc: [BLOCK_N, 4 KBS] fp32,
-    one column per (super-block kb, half h, c % 2).
-
-    Element 128h + 32c + i (c < 4, i < 32): low nibble c//2 of ql[64h + 32(c%2) + i], high bits 2c..2c+1 of
-    qh[32h + i], scale scales[8h + 2c + i//16]; weight = d * scale * (q - 32) (gguf-py ``Q6_K.dequantize_blocks``).
-    Word t of ql (c%2) gives the codes of c = c%2 (low nibbles) and c%2 + 2 (high nibbles) for i = 4t..4t+3, with
-    the matching qh word: ``(nibbles & 0x0F0F0F0F) | ((qh >> 2c) & 0x03030303) << 4`` is four codes 0..63, so per
-    16-element scale group sum_i (q_i - 32) q_x,i = dp4a chain - 32 * sum_i q_x,i.
-    """
-    g = tl.arange(0, 4 * KBS)
-    kb = b0 + g // 4
-    h = (g // 2) % 2
-    cm = g % 2
-    bmask = kb < nb
-    wmask = rmask[:, None] & bmask[None, :]
-    blk = row_ptr[:, None] + kb[None, :].to(tl.int64) * 105
-    ql_at = blk + (32 * h + 16 * cm)[None, :]
-    qh_at = blk + (64 + 16 * h)[None, :]
-    ab = 8 * kb + 4 * h + cm  # activation block of c = c%2; c%2 + 2 is ab + 2
-    ones = tl.full(g.shape, 0x01010101, dtype=tl.int32)
-    zero = tl.zeros(wmask.shape, dtype=tl.int32)
-    d00, d01, d10, d11 = zero, zero, zero, zero  # d{c//2}{i//16}: dp4a chains per scale group
-    s00, s01, s10, s11 = ones * 0, ones * 0, ones * 0, ones * 0  # sums of the activation codes, likewise
-    for t in tl.static_range(8):
-        ql = _halves_to_words(ql_at + 2 * t, wmask)
-        qh = _halves_to_words(qh_at + 2 * t, wmask)
-        code0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * cm)[None, :]) & 0x03030303) << 4)
-        code1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * cm + 4)[None, :]) & 0x03030303) << 4)
-        x0 = tl.load(xw_ptr + ab * 8 + t, mask=bmask, other=0)
-        x1 = tl.load(xw_ptr + (ab + 2) * 8 + t, mask=bmask, other=0)
-        if t < 4:
-            d00 = _dp4a(code0, tl.broadcast_to(x0[None, :], zero.shape), d00, EMULATE)
-            d10 = _dp4a(code1, tl.broadcast_to(x1[None, :], zero.shape), d10, EMULATE)
-            s00 = _dp4a(ones, x0, s00, EMULATE)
-            s10 = _dp4a(ones, x1, s10, EMULATE)
-        else:
-            d01 = _dp4a(code0, tl.broadcast_to(x0[None, :], zero.shape), d01, EMULATE)
-            d11 = _dp4a(code1, tl.broadcast_to(x1[None, :], zero.shape), d11, EMULATE)
-            s01 = _dp4a(ones, x0, s01, EMULATE)
-            s11 = _dp4a(ones, x1, s11, EMULATE)
-    sc0 = tl.load(blk + (96 + 4 * h + cm)[None, :], mask=wmask, other=0).to(tl.int32)  # scales 8h+2c, +1; c = c%2
-    sc1 = tl.load(blk + (98 + 4 * h + cm)[None, :], mask=wmask, other=0).to(tl.int32)  # c = c%2 + 2
-    part0 = (((sc0 << 24) >> 24) * (d00 - 32 * s00[None, :])
-             + ((sc0 << 16) >> 24) * (d01 - 32 * s01[None, :])).to(tl.float32)
-    part1 = (((sc1 << 24) >> 24) * (d10 - 32 * s10[None, :])
-             + ((sc1 << 16) >> 24) * (d11 - 32 * s11[None, :])).to(tl.float32)
-    dx0 = tl.load(xd_ptr + ab, mask=bmask, other=0.0)[None, :]
-    dx1 = tl.load(xd_ptr + ab + 2, mask=bmask, other=0.0)[None, :]
-    d = tl.load(blk + 104, mask=wmask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    return acc + d * (dx0 * part0 + dx1 * part1)
-
-
-@triton.jit
 def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                     stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, SPLIT_K: tl.constexpr,
-                    PREFETCH: tl.constexpr, EMULATE: tl.constexpr, QTYPE: tl.constexpr = 12):
+                    PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
     """Grid (N tiles, SPLIT_K, M): one activation row per program; split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
-    int32 words (Q4_K) or int16 halves (Q8_0, Q6_K); nb blocks per row."""
+    Q4_K rows as int32 words; nb super-blocks per row."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
@@ -204,22 +125,16 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M
     row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    AB: tl.constexpr = 1 if QTYPE == 8 else 8  # 32-activation blocks per weight block
-    xw = xw_ptr + m.to(tl.int64) * nb * AB * 8
-    xd = xd_ptr + m.to(tl.int64) * nb * AB
-    xs = xs_ptr + m.to(tl.int64) * nb * AB
-    acc = tl.zeros([BLOCK_N, (1 if QTYPE == 8 else 4) * KBS], dtype=tl.float32)
+    xw = xw_ptr + m.to(tl.int64) * nb * 64  # 8 activation blocks of 8 int32 words per super-block
+    xd = xd_ptr + m.to(tl.int64) * nb * 8
+    xs = xs_ptr + m.to(tl.int64) * nb * 8
+    acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
     for d in tl.static_range(1, PREFETCH):
-        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
+        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
     for b0 in range(blk_begin, blk_end, KBS):
         if PREFETCH > 0:
-            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QTYPE, KBS)
-        if QTYPE == 12:
-            acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
-        elif QTYPE == 8:
-            acc = _step_q8_0_q8(acc, row_ptr, rmask, b0, nb, xw, xd, KBS, EMULATE)
-        else:
-            acc = _step_q6_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, KBS, EMULATE)
+            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
+        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
     y = tl.sum(acc, axis=1)[None, :]
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, m, 1, SPLIT_K)
 
@@ -247,32 +162,31 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
 
     Args:
         x: (M, K) bf16/fp16/fp32 activations (row stride free, unit column stride).
-        qweight: (>= N, >= row_bytes) uint8 raw GGUF rows (row_bytes = K / block_elems * block_bytes).
-        qtype: Q4_K (12), Q8_0 (8) or Q6_K (14) (``Q8_TYPES``).
+        qweight: (>= N, >= row_bytes) uint8 raw Q4_K rows (row_bytes = K / 256 * 144).
+        qtype: Q4_K (12); other types have no int8-activation kernel (module docstring).
         N: output features; block_n, kbs, split_k, num_warps, prefetch: launch parameters as ``GemvConfig``.
         dp4a: False computes the same integer dot products with shifts and multiplies (always so under the
             Triton interpreter, which has no inline PTX); the results are bit-identical.
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, or K not a multiple of the type's block.
+        ValueError: another type, or K not a multiple of 256.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = int(qtype)
-    if qtype not in Q8_TYPES:
-        raise ValueError(f"gguf_linear_q8: only Q4_K, Q8_0 and Q6_K are supported, got type {qtype}")
+    if qtype != Q4_K:
+        raise ValueError(f"gguf_linear_q8: only Q4_K is supported, got {_NAMES.get(qtype, f'type {qtype}')}")
     M, K = x.shape
-    qk, qb = BLOCK_SIZES[qtype]
+    qk, qb = BLOCK_SIZES[Q4_K]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
-        raise ValueError(f"gguf_linear_q8: type {qtype} weight {tuple(qweight.shape)} does not hold {N} rows of "
-                         f"K={K}")
+        raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
         x = x.contiguous()
     nb = K // qk
     xq, xd, xs = quantize_activations(x)
-    w = _as_words(qweight, Q4_K) if qtype == Q4_K else _as_halves(qweight)
+    w = _as_words(qweight, Q4_K)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, block_n), split, M)
@@ -285,13 +199,6 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     emulate = x.device.type != "cuda" or not dp4a
     _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, w, y, part, counters, M, N, nb, blocks_per_split,
                           w.stride(0), y.stride(0), BLOCK_N=block_n, KBS=kbs, SPLIT_K=split,
-                          PREFETCH=prefetch if x.device.type == "cuda" else 0, EMULATE=emulate, QTYPE=qtype,
+                          PREFETCH=prefetch if x.device.type == "cuda" else 0, EMULATE=emulate,
                           num_warps=num_warps)
     return y
-
-
-def _as_halves(qweight: torch.Tensor) -> torch.Tensor:
-    """Q8_0/Q6_K rows as int16 (their 34/210-byte blocks are 2-byte aligned); copied if the view is not."""
-    if qweight.storage_offset() % 2 or any(s % 2 for s in qweight.stride()[:-1]) or qweight.shape[-1] % 2:
-        qweight = qweight[..., :qweight.shape[-1] // 2 * 2].contiguous()
-    return qweight.view(torch.int16)
