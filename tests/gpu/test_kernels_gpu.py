@@ -126,7 +126,7 @@ GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 
 }
 
 
-@pytest.mark.parametrize("M", (1, 3, 4, 16))
+@pytest.mark.parametrize("M", (1, 3, 4, 8, 16))
 @pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
 def test_gemv_glm5_shapes_production_config(qtype, shape, M):
@@ -244,14 +244,15 @@ def test_l2_prefetch_changes_no_bit(qtype, M):
             assert torch.equal(gguf_linear(x, w, qtype, N, dataclasses.replace(base, prefetch=prefetch)), want)
 
 
-@pytest.mark.parametrize("M", (1, 3))
+@pytest.mark.parametrize("M", (1, 3, 8))
 def test_q8_dp4a_equals_its_emulation(M):
     """The int8-activation Q4_K GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter's) give the
-    same integers, hence bit-identical outputs, on the GPU; with split-K and a partial row tile."""
+    same integers, hence bit-identical outputs, on the GPU; with split-K, a partial row tile, and one or several
+    activation rows per program."""
     from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
     x, w, _, _ = _linear_case(Q.Q4_K, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
-    for kw in (dict(), dict(block_n=32, kbs=4, split_k=2)):
+    for kw in (dict(), dict(block_n=32, kbs=4, split_k=2), dict(block_m=1, split_k=3), dict(block_m=2)):
         assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 301, **kw), gguf_linear_q8(x, w, Q.Q4_K, 301, dp4a=False, **kw))
 
 

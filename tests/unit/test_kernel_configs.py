@@ -70,9 +70,11 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 
 @given(qtype=st.sampled_from(sorted(SUPPORTED_QTYPES)), M=st.integers(1, 256), N=st.integers(1, 40000),
        blocks=st.integers(1, 64), dtype=st.sampled_from((torch.bfloat16, torch.float16, torch.float32)))
+@example(qtype=Q4_K, M=3, N=2048, blocks=24, dtype=torch.bfloat16).via("GLM-5 expert gate/up, decode batch of 3")
 def test_int8_activations_only_for_q4_k_decode_batches_on_a_gpu(qtype, M, N, blocks, dtype):
     """q8 (``gguf_gemv_q8``): Q4_K, bf16/fp16 activations, batches 2..Q8_MAX_M and batch 1 from Q8_MIN_BYTES_M1 of
-    weight; never chosen for the interpreter; its programs fill the GPU (>= 2 per SM) unless K is too short."""
+    weight, with M rounded up to a power of two rows per program; never chosen for the interpreter; its programs
+    fill the GPU (>= 2 per SM) unless K is too short."""
     qk, qb = BLOCK_SIZES[qtype]
     K = blocks * qk
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
@@ -81,6 +83,7 @@ def test_int8_activations_only_for_q4_k_decode_batches_on_a_gpu(qtype, M, N, blo
     assert gpu.q8 == want
     assert not pick_config(qtype, M, N, K, 1, dtype, "cpu").q8
     if gpu.q8:
+        assert gpu.block_m == next(b for b in (1, 2, 4, 8) if b >= M)  # rows per program: the CUDA-graph size
         assert gpu.prefetch == 0 and 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1
         programs = -(-N // gpu.block_n) * gpu.split_k  # per activation row
         assert programs >= 2 * 132 or gpu.split_k * gpu.kbs >= blocks, (gpu, programs)

@@ -219,22 +219,32 @@ def test_tuned_configs_compile_without_spills(key):
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
 
 
-def test_q8_kernel_uses_dp4a_within_budget():
-    """The int8-activation Q4_K GEMV (``gguf_gemv_q8``) at its production tile: IDP.4A in the K loop, no spills,
-    <= 3.5 SASS instructions per weight (measured 2.9; the fp32 decode needs 6.3)."""
+#: max SASS instructions per weight of the int8-activation kernel at its production tile per batch (block_m rows
+#: per program), measured (triton 3.8) 2.7, 3.3, 4.7, 6.2: rows after the first cost ~0.5 per weight each (two
+#: dp4a per word of 8 weights), against 2.7 for a program per row (each decoding the weights again).
+Q8_BUDGET = {1: 3.5, 2: 4.0, 4: 5.5, 8: 7.5}
+
+
+@pytest.mark.parametrize("M", sorted(Q8_BUDGET))
+def test_q8_kernel_uses_dp4a_within_budget(M):
+    """The int8-activation Q4_K GEMV (``gguf_gemv_q8``) at its production tile for a decode batch of M: IDP.4A in
+    the K loop, no spills, no cross-lane shuffles when several rows share a program, and the budget above (the
+    fp32 decode needs 6.3 per weight and row)."""
     q8 = importlib.import_module("glm5serve.kernels.gguf_gemv_q8")
-    cfg = g.pick_config(g.Q4_K, 1, 2048, 6144, 132)
-    assert cfg.q8 and (cfg.block_n, cfg.kbs, cfg.num_warps) == (16, 4, 4)
+    cfg = g.pick_config(g.Q4_K, M, 2048, 6144, 132)
+    assert cfg.q8 and (cfg.block_m, cfg.block_n, cfg.kbs, cfg.num_warps) == (M, 16, 4, 4)
     sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
                count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
-    k = _compile(q8._gemv_q8_kernel, sig, dict(BLOCK_N=cfg.block_n, KBS=cfg.kbs, SPLIT_K=4, PREFETCH=0,
-                                                EMULATE=False), ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), 4)
+    k = _compile(q8._gemv_q8_kernel, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KBS=cfg.kbs, SPLIT_K=4,
+                                                PREFETCH=0, EMULATE=False), ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), 4)
     sass, usage = _sass(k)
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-    assert ops["IDP.4A.S8.S8"] > 0, ops.most_common(8)
+    assert ops["IDP.4A.S8.S8"] == 2 * M * cfg.block_n * cfg.kbs * 32 / 128, ops.most_common(8)  # 2 per word, row
     per_weight = sum(ops.values()) / (cfg.block_n * cfg.kbs * 256 / 128)  # 128 threads
-    assert per_weight <= 3.5, (per_weight, ops.most_common(8))
+    assert per_weight <= Q8_BUDGET[M], (per_weight, ops.most_common(8))
+    if M > 1:
+        assert not any(o.startswith("SHFL") for o in ops), ops.most_common(12)
 
 
 def test_activation_quantizer_compiles_without_spills():

@@ -214,12 +214,14 @@ else:
         assert torch.allclose(xs.double(), xb.sum(-1), rtol=1e-6, atol=1e-6)
 
     @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 3, {}), (3, 16, 2, dict(block_n=4, kbs=1, split_k=2)),
-                                                (2, 33, 5, dict(block_n=8, kbs=2, split_k=2))], ids=str)
+                                                (2, 33, 5, dict(block_n=8, kbs=2, split_k=2)),
+                                                (5, 17, 2, dict(block_m=4, kbs=1, split_k=2)),
+                                                (3, 9, 1, dict(block_m=1))], ids=str)
     def test_q8_path_within_its_rounding_bound(M, N, blocks, cfg):
         """Q4_K x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding bound
-        (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps and split-K;
-        the error must also be far above zero (the activations really are rounded).  ``GemvConfig(q8=True)``
-        through gguf_linear is the same call."""
+        (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps, split-K,
+        and one or several activation rows per program (a partial last one); the error must also be far above zero
+        (the activations really are rounded).  ``GemvConfig(q8=True)`` through gguf_linear is the same call."""
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
         from glm5serve.kernels.testing import q8_activation_bound
 
@@ -245,6 +247,23 @@ else:
         assert ((y.double() - sem).abs() <= 2.0 ** -7 * sem.abs() + FP32_EPS * scale).all()
         via = gguf_linear(x, w, qtype, N, GemvConfig(**{"block_n": 16, "kbs": 2, "split_k": 1, **cfg}, q8=True))
         assert torch.equal(via, y)
+
+    @pytest.mark.parametrize("M,block_m", [(3, 2), (3, 4), (8, 8), (6, 4)])
+    def test_q8_rows_per_program_compute_what_one_row_per_program_does(M, block_m):
+        """Several activation rows per program (``_step_q4_k_q8_rows``: dp4a chains over each sub-block's words)
+        and one row per program (``_step_q4_k_q8``: dp4a then a sum over the words) do the same integer and fp32
+        arithmetic per output, so under the interpreter (numpy sums in one order) they agree bit for bit; with
+        split-K, a partial row tile and a partial last activation tile.  A wrong activation row or sub-block offset
+        in either breaks this."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        x, w, _, _ = _case(Q.Q4_K, M=M, N=21, K=_k(Q.Q4_K, 3), seed=90 + M * block_m, dtype=torch.bfloat16)
+        for cfg in (dict(), dict(kbs=1, split_k=2)):
+            one = gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=1, **cfg)
+            assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=block_m, **cfg), one), cfg
+        assert one.abs().amax(1).min() > 0  # every row was computed
+        with pytest.raises(ValueError, match="block_m=3"):
+            gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=3)
 
     @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
     def test_q8_config_is_ignored_for_other_types(qtype):

@@ -70,7 +70,8 @@ class GemvConfig:
     rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
     ``q8`` (Q4_K, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
-    MMVQ (``gguf_gemv_q8``); one activation row per program, ``use_dot``/``block_m`` unused."""
+    MMVQ (``gguf_gemv_q8``), with min(``block_m``, 8, the next power of two >= M) activation rows per program;
+    ``use_dot`` unused."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -532,6 +533,10 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     return pool[offset:offset + n]
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
@@ -543,12 +548,15 @@ _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (
 
 
 #: int8 activations (``GemvConfig.q8``) for Q4_K: H200, session 6, same run, microseconds (q8 / fp32 decode /
-#: bf16 cuBLAS): batch 1 lm_head/8 37.4 / 48.6 / 64.3, expert gate/up 8.4 / 9.1 / 11.4, down 7.6 / 11.0 / 9.3;
-#: batch 2 gate/up 12.2 / 16.7, q_b/8 7.0 / 8.6; at batch 4 even (gate/up 18.6 / 17.7, gate+up/8 8.4 / 9.4), past
-#: it slower.  Up to 4, not 3: vLLM pads a decode batch of 3 to its CUDA graph of 4, and eager and graphs must take
-#: the same path (the launch parameters below do not depend on M either).  At batch 1 its second launch
-#: (quantizing x) costs more than it saves below ~4 MB of weight (q_b/8 5.9 / 5.3).
-Q8_MAX_M = 4
+#: bf16 cuBLAS): batch 1 lm_head/8 37.4 / 48.6 / 64.3, expert gate/up 8.4 / 9.1 / 11.4, down 7.6 / 11.0 / 9.3.
+#: From batch 2 each program takes ``block_m`` = the next power of two >= M rows (weights unpacked once for all):
+#: session 7, same run, q8 with rows / one row per program (the old path) or tensor cores at 8 / cuBLAS: gate/up
+#: batch 2 10.2 / 13.6 / 11.2, batch 4 11.5 / 22.8 / 11.3, batch 8 13.8 / 19.4 (tensor cores) / 11.3; lm_head/8
+#: batch 4 66.8 / 131.8 / 59.8, batch 8 102.8 / 145.5 / 60.5; down batch 8 12.2 / 19.0 / 8.8.  block_m follows
+#: vLLM's CUDA-graph sizes (1, 2, 4, 8): a decode batch of 3 padded to 4 takes the launch of 4, so eager and graphs
+#: agree bit for bit.  At batch 1 its second launch (quantizing x) costs more than it saves below ~4 MB of weight
+#: (q_b/8 5.9 / 5.3).
+Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
 #: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others.  Q8_0 and
 #: Q6_K had one, slower than their fp32 decode on the H200 (session 7; numbers in ``gguf_gemv_q8``), so removed.
@@ -579,9 +587,10 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
             1 < M <= Q8_MAX_M or (M == 1 and weight_bytes >= Q8_MIN_BYTES_M1)):
         kbs = min(4, _pow2_at_most(nb))
         steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, 16)
-        split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(8 * sms, tiles))
+        per_sm = 8 if M == 1 else 2  # measured best (session 7): several rows per program need fewer programs
+        split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
         split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
-        return GemvConfig(block_n=16, kbs=kbs, split_k=split, num_warps=4, q8=True)
+        return GemvConfig(block_n=16, kbs=kbs, split_k=split, num_warps=4, block_m=_pow2_at_least(M), q8=True)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))
@@ -718,7 +727,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
         return gguf_linear_q8(x, qweight, qtype, N, config.block_n, config.kbs, config.split_k, config.num_warps,
-                              config.prefetch)
+                              config.prefetch, block_m=min(config.block_m, Q8_MAX_M, _pow2_at_least(M)))
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
     block_m = config.block_m if use_dot else 1

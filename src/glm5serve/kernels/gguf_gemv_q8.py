@@ -7,7 +7,10 @@ Why: the fp32 decode of ``gguf_gemv`` spends ~6 SASS instructions per weight, wh
 below half of its memory bandwidth.  Here the 4-bit codes stay packed: ``q & 0x0F0F0F0F`` is four codes as bytes,
 and one ``dp4a`` multiplies them with four int8 activations and adds the products (exact integer arithmetic), so
 the K loop costs ~3 SASS instructions per weight (2.9 measured for sm_90, ``tests/unit/test_kernels_compile.py``).
-The float work is per (row, 32-weight sub-block).
+The float work is per (row, 32-weight sub-block).  From batch 2 a program takes several activation rows
+(``block_m``, as MMVQ's ``ncols_y``) and unpacks each weight word once for all of them; a further row then costs
+~0.5 instructions per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200: expert
+gate/up 11.5 us at batch 4, 8.5 at batch 1, where a program per row took 22.8).
 
 Q8_0 and Q6_K were tried (llama.cpp's ``vec_dot_q8_0_q8_1`` / ``vec_dot_q6_K_q8_1``; correct: dp4a == emulation on
 the GPU, within the rounding bound) and removed: slower than the fp32 decode on 35 of 36 (type, GLM-5 shape, batch
@@ -41,6 +44,7 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
+MAX_BLOCK_M = 8  # activation rows per program; 16 would need ~2x the registers
 
 
 @triton.jit
@@ -112,31 +116,106 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
 
 
 @triton.jit
+def _split8(v, A: tl.constexpr, B: tl.constexpr):
+    """The 8 slices [A, B] of v [A, B, 8] along its last axis, in the order t = 0, 4, 2, 6, 1, 5, 3, 7 (tl.split
+    keeps each in the thread that holds it: no shuffles)."""
+    e, o = tl.split(tl.reshape(v, (A, B, 4, 2)))
+    ee, eo = tl.split(tl.reshape(e, (A, B, 2, 2)))
+    oe, oo = tl.split(tl.reshape(o, (A, B, 2, 2)))
+    a0, a1 = tl.split(ee)
+    b0, b1 = tl.split(eo)
+    c0, c1 = tl.split(oe)
+    d0, d1 = tl.split(oo)
+    return a0, a1, b0, b1, c0, c1, d0, d1
+
+
+@triton.jit
+def _step_q4_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """``_step_q4_k_q8`` for BLOCK_M activation rows ``mrow`` at once; acc: [BLOCK_M, BLOCK_N, 4 KBS] fp32.  Each
+    weight word is loaded and unpacked once for all rows; per row it costs two dp4a, chained over the 8 words of a
+    sub-block (llama.cpp's MMVQ handles several columns of x the same way, ``ncols_y``).  Integer sums are exact,
+    so per output this is the one-row step's arithmetic up to the order of the final fp32 sum over sub-blocks."""
+    g = tl.arange(0, 4 * KBS)
+    t = tl.arange(0, 8)
+    kb = b0 + g // 4
+    j = g % 4
+    bmask = kb < nb
+    wmask = rmask[:, None] & bmask[None, :]
+    blk = row_ptr[:, None] + kb[None, :] * 36
+    h0 = tl.load(blk, mask=wmask, other=0)
+    h1 = tl.load(blk + 1, mask=wmask, other=0)
+    h2 = tl.load(blk + 2, mask=wmask, other=0)
+    h3 = tl.load(blk + 3, mask=wmask, other=0)
+    q = tl.load(blk[:, :, None] + 4 + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
+                eviction_policy="evict_first")
+    BM: tl.constexpr = mrow.shape[0]
+    BN: tl.constexpr = q.shape[0]
+    G: tl.constexpr = q.shape[1]
+    xo = (mrow * nb * 64)[:, None, None] + ((kb * 64 + j * 16)[:, None] + t[None, :])[None, :, :]
+    xmask = mmask[:, None, None] & bmask[None, :, None]
+    qw = _split8(q, BN, G)
+    xl = _split8(tl.load(xw_ptr + xo, mask=xmask, other=0), BM, G)
+    xh = _split8(tl.load(xw_ptr + xo + 8, mask=xmask, other=0), BM, G)
+    dlo = tl.zeros((BM, BN, G), dtype=tl.int32)
+    dhi = tl.zeros((BM, BN, G), dtype=tl.int32)
+    for i in tl.static_range(8):
+        lo = tl.broadcast_to((qw[i] & 0x0F0F0F0F)[None, :, :], (BM, BN, G))
+        hi = tl.broadcast_to(((qw[i] >> 4) & 0x0F0F0F0F)[None, :, :], (BM, BN, G))
+        dlo = _dp4a(lo, tl.broadcast_to(xl[i][:, None, :], (BM, BN, G)), dlo, EMULATE)
+        dhi = _dp4a(hi, tl.broadcast_to(xh[i][:, None, :], (BM, BN, G)), dhi, EMULATE)
+    sb = (mrow * nb * 8)[:, None] + (kb * 8 + 2 * j)[None, :]  # [BM, G]: sub-block 2j of each row
+    smask = mmask[:, None] & bmask[None, :]
+    dx_lo = tl.load(xd_ptr + sb, mask=smask, other=0.0)[:, None, :]
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=smask, other=0.0)[:, None, :]
+    sx_lo = tl.load(xs_ptr + sb, mask=smask, other=0.0)[:, None, :]
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=smask, other=0.0)[:, None, :]
+    sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
+    sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
+    return acc + _f16_lo(h0)[None, :, :] * (sc0[None, :, :] * dx_lo * dlo.to(tl.float32)
+                                            + sc1[None, :, :] * dx_hi * dhi.to(tl.float32)) - _f16_hi(h0)[None, :, :] * (
+        mn0[None, :, :] * sx_lo + mn1[None, :, :] * sx_hi)
+
+
+@triton.jit
 def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
-                    stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, SPLIT_K: tl.constexpr,
-                    PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
-    """Grid (N tiles, SPLIT_K, M): one activation row per program; split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
-    Q4_K rows as int32 words; nb super-blocks per row."""
+                    stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
+                    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
+    Q4_K rows as int32 words; nb super-blocks per row.  BLOCK_M = 1 takes the one-row step (faster there: H200
+    lm_head/8 37.4 against 46.5 us for the rows step at one row)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m = tl.program_id(2)
+    pid_m = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    xw = xw_ptr + m.to(tl.int64) * nb * 64  # 8 activation blocks of 8 int32 words per super-block
-    xd = xd_ptr + m.to(tl.int64) * nb * 8
-    xs = xs_ptr + m.to(tl.int64) * nb * 8
-    acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
     for d in tl.static_range(1, PREFETCH):
         _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
-    for b0 in range(blk_begin, blk_end, KBS):
-        if PREFETCH > 0:
-            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
-        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
-    y = tl.sum(acc, axis=1)[None, :]
-    _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, m, 1, SPLIT_K)
+    if BLOCK_M == 1:
+        m = pid_m.to(tl.int64)
+        xw = xw_ptr + m * nb * 64  # 8 activation blocks of 8 int32 words per super-block
+        xd = xd_ptr + m * nb * 8
+        xs = xs_ptr + m * nb * 8
+        acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
+        for b0 in range(blk_begin, blk_end, KBS):
+            if PREFETCH > 0:
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
+            acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        mrow = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = mrow < M
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, 4 * KBS], dtype=tl.float32)
+        for b0 in range(blk_begin, blk_end, KBS):
+            if PREFETCH > 0:
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
+            acc3 = _step_q4_k_q8_rows(acc3, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow.to(tl.int64), mmask,
+                                      KBS, EMULATE)
+        y = tl.sum(acc3, axis=2)
+    _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +236,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 16, kbs: int = 2,
-                   split_k: int = 1, num_warps: int = 4, prefetch: int = 0, dp4a: bool = True) -> torch.Tensor:
+                   split_k: int = 1, num_warps: int = 4, prefetch: int = 0, dp4a: bool = True,
+                   block_m: int | None = None) -> torch.Tensor:
     """y = x @ dequantize(qweight)[:N].T with x quantized to int8 blocks of 32 (see the module docstring).
 
     Args:
@@ -165,12 +245,14 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
         qweight: (>= N, >= row_bytes) uint8 raw Q4_K rows (row_bytes = K / 256 * 144).
         qtype: Q4_K (12); other types have no int8-activation kernel (module docstring).
         N: output features; block_n, kbs, split_k, num_warps, prefetch: launch parameters as ``GemvConfig``.
+        block_m: activation rows per program, a power of two up to ``MAX_BLOCK_M`` (None: the next power of two
+            >= M, at most ``MAX_BLOCK_M``): each program unpacks its weight tile once for that many rows.
         dp4a: False computes the same integer dot products with shifts and multiplies (always so under the
             Triton interpreter, which has no inline PTX); the results are bit-identical.
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, or K not a multiple of 256.
+        ValueError: another type, K not a multiple of 256, or a block_m that is not a power of two up to 8.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = int(qtype)
@@ -180,6 +262,10 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     qk, qb = BLOCK_SIZES[Q4_K]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
         raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
+    if block_m is None:
+        block_m = min(MAX_BLOCK_M, 1 << max(0, M - 1).bit_length())
+    if block_m not in (1, 2, 4, MAX_BLOCK_M):
+        raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
@@ -189,16 +275,16 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     w = _as_words(qweight, Q4_K)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
     split = triton.cdiv(nb, blocks_per_split)
-    grid = (triton.cdiv(N, block_n), split, M)
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     y = x.new_empty((M, N))
     if split > 1:
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * M)
+        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[2])
     else:
         part = counters = y  # unused
     emulate = x.device.type != "cuda" or not dp4a
     _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, w, y, part, counters, M, N, nb, blocks_per_split,
-                          w.stride(0), y.stride(0), BLOCK_N=block_n, KBS=kbs, SPLIT_K=split,
+                          w.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, KBS=kbs, SPLIT_K=split,
                           PREFETCH=prefetch if x.device.type == "cuda" else 0, EMULATE=emulate,
                           num_warps=num_warps)
     return y
