@@ -555,7 +555,8 @@ _DOT_TILE = {Q4_K: (64, 1), Q5_K: (64, 1), Q6_K: (32, 1), Q8_0: (64, 2), Q4_0: (
 #: batch 4 66.8 / 131.8 / 59.8, batch 8 102.8 / 145.5 / 60.5; down batch 8 12.2 / 19.0 / 8.8.  block_m follows
 #: vLLM's CUDA-graph sizes (1, 2, 4, 8): a decode batch of 3 padded to 4 takes the launch of 4, so eager and graphs
 #: agree bit for bit.  At batch 1 its second launch (quantizing x) costs more than it saves below ~4 MB of weight
-#: (q_b/8 5.9 / 5.3).
+#: (q_b/8 5.9 / 5.3).  16 rows per program (batches 9..16) tied with the tensor cores (same run: gate/up 23.1 /
+#: 22.9, down 21.3 / 22.6, q_b/8 at 12 rows 11.0 / 10.1), so batches past 8 stay on them.
 Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
 #: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others.  Q8_0 and

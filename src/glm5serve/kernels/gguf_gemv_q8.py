@@ -44,7 +44,7 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
-MAX_BLOCK_M = 8  # activation rows per program; 16 would need ~2x the registers
+MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 do not) tied with the tensor cores
 
 
 @triton.jit
@@ -264,7 +264,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
         raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
     if block_m is None:
         block_m = min(MAX_BLOCK_M, 1 << max(0, M - 1).bit_length())
-    if block_m not in (1, 2, 4, MAX_BLOCK_M):
+    if block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
