@@ -78,13 +78,10 @@ def _dp4a(a, b, c, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
-    """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
-
-    Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
-    nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
-    activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
-    """
+def _q4_k_words(row_ptr, rmask, b0, nb, KBS: tl.constexpr):
+    """The words of KBS Q4_K super-blocks (36 int32 each) from b0 of BLOCK_N rows: with g < 4 KBS (super-block
+    kb = b0 + g // 4, qs chunk j = g % 4) and t < 8, header words h0..h3 [BLOCK_N, 4 KBS] (d|dmin, 12 scale bytes)
+    and qs words q [BLOCK_N, 4 KBS, 8] = word 8j + t of the 32 (``_step_q4_k_q8`` gives their layout)."""
     g = tl.arange(0, 4 * KBS)
     t = tl.arange(0, 8)
     kb = b0 + g // 4
@@ -98,6 +95,18 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
     h3 = tl.load(blk + 3, mask=wmask, other=0)
     q = tl.load(blk[:, :, None] + 4 + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
                 eviction_policy="evict_first")
+    return kb, j, t, bmask, h0, h1, h2, h3, q
+
+
+@triton.jit
+def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+    """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
+
+    Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
+    nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
+    activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
+    """
+    kb, j, t, bmask, h0, h1, h2, h3, q = _q4_k_words(row_ptr, rmask, b0, nb, KBS)
     xo = (kb * 64 + j * 16)[:, None] + t[None, :]
     xlo = tl.broadcast_to(tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)[None, :, :], q.shape)
     xhi = tl.broadcast_to(tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)[None, :, :], q.shape)
@@ -136,19 +145,7 @@ def _step_q4_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow
     weight word is loaded and unpacked once for all rows; per row it costs two dp4a, chained over the 8 words of a
     sub-block (llama.cpp's MMVQ handles several columns of x the same way, ``ncols_y``).  Integer sums are exact,
     so per output this is the one-row step's arithmetic up to the order of the final fp32 sum over sub-blocks."""
-    g = tl.arange(0, 4 * KBS)
-    t = tl.arange(0, 8)
-    kb = b0 + g // 4
-    j = g % 4
-    bmask = kb < nb
-    wmask = rmask[:, None] & bmask[None, :]
-    blk = row_ptr[:, None] + kb[None, :] * 36
-    h0 = tl.load(blk, mask=wmask, other=0)
-    h1 = tl.load(blk + 1, mask=wmask, other=0)
-    h2 = tl.load(blk + 2, mask=wmask, other=0)
-    h3 = tl.load(blk + 3, mask=wmask, other=0)
-    q = tl.load(blk[:, :, None] + 4 + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
-                eviction_policy="evict_first")
+    kb, j, t, bmask, h0, h1, h2, h3, q = _q4_k_words(row_ptr, rmask, b0, nb, KBS)
     BM: tl.constexpr = mrow.shape[0]
     BN: tl.constexpr = q.shape[0]
     G: tl.constexpr = q.shape[1]
