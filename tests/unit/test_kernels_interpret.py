@@ -93,20 +93,31 @@ else:
     @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
     def test_gemv_tensor_core_path(qtype, dtype):
-        """M = 5 takes the tl.dot path (x padded to 16 rows); weights are rounded to x's dtype before the dot."""
-        x, w, ref, bound = _case(qtype, M=5, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=dtype)
-        assert pick_config(qtype, 5, 17, x.shape[1], dtype=dtype).use_dot
+        """M = 9 takes the tl.dot path (x padded to 16 rows) on any device (past the int8 path's batches, Q8_MAX_M);
+        weights are rounded to x's dtype before the dot."""
+        x, w, ref, bound = _case(qtype, M=9, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=dtype)
+        assert pick_config(qtype, 9, 17, x.shape[1], dtype=dtype).use_dot
         eps = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
         _check(gguf_linear(x, w, qtype, 17), ref, bound, rel_out=eps, rel_sum=eps, what="dot")
 
+    @pytest.mark.parametrize("pad", (16, 2))
     @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q5_0), ids=lambda q: q.name)
-    def test_gemv_padded_sliced_weight_and_m_tiles(qtype):
-        """Rows with trailing padding bytes (the plugin's merged weights), a row slice (storage offset), and
-        M = 7 on the FMA path (two M tiles of 4)."""
-        x, w, ref, bound = _case(qtype, M=7, N=12, K=_k(qtype, 2), seed=30 + int(qtype), pad=16)
+    def test_gemv_padded_sliced_weight_and_m_tiles(qtype, pad):
+        """Rows with trailing padding bytes (the plugin's merged weights; 2 bytes leave Q4_K rows that are not
+        whole int32 words), a row slice (storage offset), and M = 7 on the FMA path (two M tiles of 4) and, for Q4_K,
+        on the int8-activation path."""
+        x, w, ref, bound = _case(qtype, M=7, N=12, K=_k(qtype, 2), seed=30 + int(qtype), pad=pad)
         sliced = w[3:11]
         y = gguf_linear(x, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, use_dot=False))
         _check(y, ref[:, 3:11], bound[:, 3:11], what="sliced")
+        if qtype == Q.Q4_K:
+            from glm5serve.kernels.testing import q8_activation_bound
+
+            xb, rows = x.to(torch.bfloat16), sliced[:, :sliced.shape[1] - pad]
+            ref8, bound8 = reference_linear(xb.float(), dequant(rows.numpy(), qtype))
+            y8 = gguf_linear(xb, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, q8=True))
+            err = (y8.double() - ref8).abs()
+            assert (err <= q8_activation_bound(xb, rows, qtype) + 2.0 ** -7 * ref8.abs() + FP32_EPS * bound8).all()
 
     @settings(max_examples=12, deadline=None)
     @given(qtype=st.sampled_from(TYPES), M=st.integers(1, 6), N=st.integers(1, 33), blocks=st.integers(1, 3),

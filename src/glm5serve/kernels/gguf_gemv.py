@@ -632,9 +632,12 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim:
 
 
 def _as_words(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_K/Q5_K are read as int32 words (16-byte vector loads); other types byte by byte."""
+    """Q4_K/Q5_K are read as int32 words (16-byte vector loads); other types byte by byte.  Their blocks (144 and
+    176 bytes) are whole words, so trailing row padding is cut to whole words (copied where the view is not
+    word-aligned)."""
     if qtype not in _WORD_TYPES:
         return qweight
+    qweight = qweight[..., :qweight.shape[-1] // 4 * 4]
     if qweight.storage_offset() % 4 or any(s % 4 for s in qweight.stride()[:-1]):
         qweight = qweight.contiguous()
     return qweight.view(torch.int32)
