@@ -102,3 +102,14 @@ def test_a_batch_and_its_cuda_graph_size_get_the_same_launch(N, blocks):
             for dtype in (torch.bfloat16, torch.float16):
                 want = pick_config(qtype, padded, N, K, 132, dtype, "")
                 assert pick_config(qtype, M, N, K, 132, dtype, "") == want, (qtype, M, N, K)
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=3), dict(block_n=0), dict(kbs=6), dict(num_warps=True), dict(block_m=2.0),
+                                 dict(split_k=0), dict(prefetch=-1)], ids=str)
+def test_a_bad_config_is_refused_when_made(bad):
+    """Block sizes and warp counts must be powers of two (ints), split_k >= 1, prefetch >= 0: a bad GemvConfig is
+    a clear ValueError naming the field, whatever batch it would later meet (``gguf_linear`` clips q8's block_m to
+    the batch, so a bad one used to fail only for some batches)."""
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=f"{field}="):
+        GemvConfig(**bad)

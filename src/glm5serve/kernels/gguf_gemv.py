@@ -81,6 +81,15 @@ class GemvConfig:
     prefetch: int = 0
     q8: bool = False
 
+    def __post_init__(self):
+        # Triton block sizes and warp counts are powers of two; catch a bad value here, not in a kernel launch
+        for name in ("block_n", "kbs", "num_warps", "block_m"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig: {name}={v!r} is not a power of two")
+        if type(self.split_k) is not int or self.split_k < 1 or type(self.prefetch) is not int or self.prefetch < 0:
+            raise ValueError(f"GemvConfig: split_k={self.split_k!r} must be >= 1 and prefetch={self.prefetch!r} >= 0")
+
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
     """(G, T) of the register tile one decode slice produces per row: G groups of T weights each."""
