@@ -38,6 +38,7 @@ from glm5serve.kernels.gguf_gemv import (
     _f16_hi,
     _f16_lo,
     _kquant_scale_min,
+    _pow2_at_least,
     _prefetch_l2,
     _tile_counters,
     _write_tile,
@@ -260,7 +261,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
         raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
     if block_m is None:
-        block_m = min(MAX_BLOCK_M, 1 << max(0, M - 1).bit_length())
+        block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
     if block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
     if M == 0 or N == 0:
