@@ -25,6 +25,7 @@ from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, Q8_TYPES, _device_info
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
+    q8_moe_bound,
     random_qweight,
     random_qweight_torch,
     reference_linear,
@@ -174,9 +175,11 @@ def test_moe_matches_reference(case):
                  ids.to(DEV), q13, q2)
     ref, bound = reference_moe(x.float(), dequant(w13, q13), dequant(w2, q2), wts, ids)
     assert y.shape == (T, H) and y.dtype == dtype
-    # per-pair path (T <= 16): fp32 weights and h; grouped path: weights and h rounded to x's dtype for the MMA
+    # per-pair path (T <= 16): fp32 weights and h, int8 activations for Q4_K projections (bf16/fp16 x on a GPU);
+    # grouped path: weights and h rounded to x's dtype for the MMA
     eps = 2.0 ** -14 if T <= 16 else 2.0 ** -6
-    _assert_close(y, ref, bound, eps, f"{q13.name}/{q2.name} E={E} T={T} k={k}")
+    q8 = q8_moe_bound(x.float(), w13, w2, q13, q2, wts, ids) if T <= 16 and Q.Q4_K in (q13, q2) else 0.0
+    _assert_close(y, ref, bound, eps, f"{q13.name}/{q2.name} E={E} T={T} k={k}", extra=q8)
 
 
 @pytest.mark.parametrize("cfg", (GemvConfig(split_k=1), GemvConfig(split_k=4), None,
@@ -214,20 +217,22 @@ def test_split_k_on_concurrent_streams():
         assert torch.equal(y, expected[i])
 
 
+@pytest.mark.parametrize("q2", (Q.Q6_K, Q.Q4_K), ids=lambda q: q.name)
 @pytest.mark.parametrize("T", (4, 40), ids=("per-pair", "grouped"))
-def test_moe_cuda_graph_replay(T):
+def test_moe_cuda_graph_replay(T, q2):
+    """Per-pair: Q4_K gate+up with int8 activations, down fp32 (Q6_K) or int8 (Q4_K)."""
     rng = np.random.default_rng(3)
     E, H, inter, k = 16, 512, 256, 4
-    w13, w2 = _moe_weights(Q.Q4_K, Q.Q6_K, E, H, inter, rng)
+    w13, w2 = _moe_weights(Q.Q4_K, q2, E, H, inter, rng)
     x = torch.randn(T, H, device=DEV).bfloat16()
     ids, wts = _routing(T, E, k)
-    g, out = capture(lambda: gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
+    g, out = capture(lambda: gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, q2))
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.randint(0, E, (T, k), device=DEV, dtype=torch.int32))
         wts.copy_(torch.rand_like(wts))
         g.replay()
-        assert torch.equal(out, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q6_K))
+        assert torch.equal(out, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, q2))
 
 
 @pytest.mark.parametrize("M", (1, 4))

@@ -126,6 +126,22 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
 
 
 @triton.jit
+def _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, BLOCK_N: tl.constexpr,
+                 KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+    """Super-blocks blk_begin..blk_end-1 of BLOCK_N Q4_K rows (``row_ptr``: int32 word pointers, nb super-blocks per
+    row) dotted with one row of int8 activations (``xw_ptr``/``xd_ptr``/``xs_ptr``: that row's codes as words,
+    scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none)."""
+    for d in tl.static_range(1, PREFETCH):
+        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
+    acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
+    for b0 in range(blk_begin, blk_end, KBS):
+        if PREFETCH > 0:
+            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
+        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS, EMULATE)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _split8(v, A: tl.constexpr, B: tl.constexpr):
     """The 8 slices [A, B] of v [A, B, 8] along its last axis, in the order t = 0, 4, 2, 6, 1, 5, 3, 7 (tl.split
     keeps each in the thread that holds it: no shuffles)."""
@@ -190,20 +206,13 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M
     row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    for d in tl.static_range(1, PREFETCH):
-        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
     if BLOCK_M == 1:
         m = pid_m.to(tl.int64)
-        xw = xw_ptr + m * nb * 64  # 8 activation blocks of 8 int32 words per super-block
-        xd = xd_ptr + m * nb * 8
-        xs = xs_ptr + m * nb * 8
-        acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
-        for b0 in range(blk_begin, blk_end, KBS):
-            if PREFETCH > 0:
-                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
-            acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw, xd, xs, KBS, EMULATE)
-        y = tl.sum(acc, axis=1)[None, :]
+        y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
+                         xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE)[None, :]
     else:
+        for d in tl.static_range(1, PREFETCH):
+            _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
         mrow = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = mrow < M
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, 4 * KBS], dtype=tl.float32)

@@ -86,6 +86,41 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return y, bound
 
 
+def q8_moe_bound(x: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """How far ``gguf_moe(..., q8=True)`` may move from the exact routed-expert MLP beyond fp32 rounding: a float64
+    (T, H) bound on the CPU.  Per (token t, slot s, expert e), with ``q8_activation_bound`` bounds eg / eu on the
+    gate / up rows (zero where ``qtype_w13`` is not Q4_K, whose projection then keeps the fp32 decode):
+    dh = 1.1 eg (|up| + eu) + |silu(gate)| eu (silu is 1.1-Lipschitz, so this holds beyond first order); then
+    |w_s| (|W2| @ dh + the bound of rounding h' = h + dh to int8 blocks, whose scales are at most
+    max(|h| + dh) / 127 per 32-block; that term only for a Q4_K ``w2``).
+
+    ``w13_raw``: (E, 2I, row_bytes) uint8 numpy/torch; ``w2_raw``: (E, H, row_bytes); ids < 0 are skipped."""
+    w13_raw, w2_raw = torch.as_tensor(w13_raw).cpu(), torch.as_tensor(w2_raw).cpu()
+    x64 = x.detach().cpu().double()
+    ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
+    inter = w13_raw.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2_raw.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if e < 0:
+                continue
+            W1, W2 = dequant(w13_raw[e], qtype_w13), dequant(w2_raw[e], qtype_w2)
+            gate_up = W1 @ x64[t]
+            gate, up = gate_up[:inter], gate_up[inter:]
+            e13 = (q8_activation_bound(x64[t:t + 1], w13_raw[e], qtype_w13)[0] if Q(qtype_w13) == Q.Q4_K
+                   else torch.zeros_like(gate_up))
+            eg, eu = e13[:inter], e13[inter:]
+            dh = 1.1 * eg * (up.abs() + eu) + torch.nn.functional.silu(gate).abs() * eu
+            b = W2.abs() @ dh
+            if Q(qtype_w2) == Q.Q4_K:
+                hmax = (torch.nn.functional.silu(gate) * up).abs() + dh
+                b = b + q8_activation_bound(hmax[None], w2_raw[e], qtype_w2)[0]
+            out[t] += wts[t, s].abs() * b
+    return out
+
+
 def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> torch.Tensor:
     """Worst-case effect of rounding x to int8 blocks of 32 (``gguf_gemv_q8``) on x @ W.T: ``sum_i |s_ni| d_mi / 2``
     as a float64 (M, N) tensor, d_mi = max |x| over the 32-block of column i / 127.  s is the part of each weight
