@@ -247,24 +247,24 @@ def test_q8_kernel_uses_dp4a_within_budget(M):
         assert not any(o.startswith("SHFL") for o in ops), ops.most_common(12)
 
 
-def test_moe_q8_kernels_use_dp4a_without_spills_or_shuffles():
-    """The per-pair MoE's int8-activation kernels (Q4_K gate+up and down, 16 rows x MOE_Q8_KBS super-blocks per
-    step): two IDP.4A per weight word in each K loop (gate and up: two loops), no spills.  It is the one-row step,
-    whose sum over words shuffles: measured faster here than the shuffle-free rows step at one row (H200, whole
-    experts, 1 token: 123 against 132 us)."""
+def test_moe_q8_kernels_use_dp4a_without_spills():
+    """The per-pair MoE's int8-activation kernels (Q4_K gate+up with MOE_Q8_GATE_UP_BLOCK_N rows, down with 16,
+    MOE_Q8_KBS super-blocks per step): two IDP.4A per weight word in each K loop (gate+up has two loops), no
+    spills.  They use the one-row step, whose sum over words shuffles: measured faster here than the
+    shuffle-free rows step at one row (H200, whole experts, 1 token: 123 against 132 us)."""
     kbs = gm.MOE_Q8_KBS
     common = dict(w_ptr="*i32", ids_ptr="*i32", nb="i32", topk="i32", stride_we="i32", stride_wn="i32")
     up = _compile(gm._moe_gate_up_q8_kernel, dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", h_ptr="*fp32",
                                                   inter="i32", stride_hm="i32", **common),
-                  dict(BLOCK_N=16, KBS=kbs, EMULATE=False), ("xw_ptr", "w_ptr", "h_ptr"))
+                  dict(BLOCK_N=gm.MOE_Q8_GATE_UP_BLOCK_N, KBS=kbs, EMULATE=False), ("xw_ptr", "w_ptr", "h_ptr"))
     down = _compile(gm._moe_down_q8_kernel, dict(hw_ptr="*i32", hd_ptr="*fp32", hs_ptr="*fp32", wts_ptr="*fp32",
                                                  y_ptr="*bf16", hidden="i32", stride_ym="i32", **common),
                     dict(BLOCK_N=16, KBS=kbs, EMULATE=False), ("hw_ptr", "w_ptr", "y_ptr"))
-    for k, loops in ((up, 2), (down, 1)):
+    for k, loops, bn in ((up, 2, gm.MOE_Q8_GATE_UP_BLOCK_N), (down, 1, 16)):
         sass, usage = _sass(k)
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-        # per K step of 16 rows x kbs super-blocks (36 words, 32 of codes): 2 dp4a per code word, over 128 threads
-        assert sass.count("IDP.4A.S8.S8") == loops * 2 * 16 * kbs * 32 // 128, usage
+        # per K step of bn rows x kbs super-blocks (36 words, 32 of codes): 2 dp4a per code word, over 128 threads
+        assert sass.count("IDP.4A.S8.S8") == loops * 2 * bn * kbs * 32 // 128, usage
 
 
 def test_activation_quantizer_compiles_without_spills():
