@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
+from glm5serve.kernels.gguf_moe import per_pair
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, Q8_TYPES, _device_info
 from glm5serve.kernels.testing import (
     dequant,
@@ -155,7 +156,7 @@ def moe_cases(draw):
     H = BLOCK_SIZES[int(q13)][0] * draw(st.integers(1, 3))
     inter = BLOCK_SIZES[int(q2)][0] * draw(st.integers(1, 3))
     E = draw(st.integers(1, 9))
-    T = draw(st.one_of(st.sampled_from((1, 4, 16, 17, 64)), st.integers(1, 16), st.integers(17, 80)))
+    T = draw(st.one_of(st.sampled_from((1, 4, 16, 17, 64, 129, 160)), st.integers(1, 16), st.integers(17, 80)))
     k = draw(st.integers(1, min(E, 8)))
     return q13, q2, H, inter, E, T, k, draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**31))
 
@@ -175,10 +176,11 @@ def test_moe_matches_reference(case):
                  ids.to(DEV), q13, q2)
     ref, bound = reference_moe(x.float(), dequant(w13, q13), dequant(w2, q2), wts, ids)
     assert y.shape == (T, H) and y.dtype == dtype
-    # per-pair path (T <= 16): fp32 weights and h, int8 activations for Q4_K projections (bf16/fp16 x on a GPU);
-    # grouped path: weights and h rounded to x's dtype for the MMA
-    eps = 2.0 ** -14 if T <= 16 else 2.0 ** -6
-    q8 = q8_moe_bound(x.float(), w13, w2, q13, q2, wts, ids) if T <= 16 and Q.Q4_K in (q13, q2) else 0.0
+    # per-pair path (T <= 16, <= 128 with Q4_K gate+up): fp32 weights and h, int8 activations for Q4_K projections
+    # (bf16/fp16 x on a GPU); grouped path: weights and h rounded to x's dtype for the MMA
+    pairs = per_pair(q13, T, q8=True)
+    eps = 2.0 ** -14 if pairs else 2.0 ** -6
+    q8 = q8_moe_bound(x.float(), w13, w2, q13, q2, wts, ids) if pairs and Q.Q4_K in (q13, q2) else 0.0
     _assert_close(y, ref, bound, eps, f"{q13.name}/{q2.name} E={E} T={T} k={k}", extra=q8)
 
 
@@ -218,9 +220,9 @@ def test_split_k_on_concurrent_streams():
 
 
 @pytest.mark.parametrize("q2", (Q.Q6_K, Q.Q4_K), ids=lambda q: q.name)
-@pytest.mark.parametrize("T", (4, 40), ids=("per-pair", "grouped"))
+@pytest.mark.parametrize("T", (4, 40, 160), ids=("per-pair", "per-pair-past-16", "grouped"))
 def test_moe_cuda_graph_replay(T, q2):
-    """Per-pair: Q4_K gate+up with int8 activations, down fp32 (Q6_K) or int8 (Q4_K)."""
+    """Per-pair (up to 128 tokens here): Q4_K gate+up with int8 activations, down fp32 (Q6_K) or int8 (Q4_K)."""
     rng = np.random.default_rng(3)
     E, H, inter, k = 16, 512, 256, 4
     w13, w2 = _moe_weights(Q.Q4_K, q2, E, H, inter, rng)

@@ -1,6 +1,7 @@
 """Triton top-k MoE for GGUF-quantized experts at decode batch sizes (no per-expert Python loop).
 
-Up to 16 tokens (``MAX_FAST_M``), two launches, one program per (token, slot):
+Up to 16 tokens (``MAX_FAST_M``; 128, ``MOE_Q8_MAX_M``, where gate+up runs with int8 activations), two launches,
+one program per (token, slot):
 1. gate+up: one program per (token, slot, BLOCK_N rows of the intermediate) reads expert ``topk_ids[t, s]``'s
    gate and up rows from the 3-D byte tensor ``w13`` (E, 2I, row_bytes) -- gate rows 0..I-1, up rows I..2I-1,
    vLLM's ``w13`` order -- and writes h = silu(gate) * up in fp32.
@@ -11,9 +12,10 @@ Q4_K projections (GLM-5's routed experts) run with int8 activations on a GPU, as
 (``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below).
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
-(from L2 when concurrent); for decode batches (<= 16 tokens) that costs less than sorting tokens by expert.
+(from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 gate+up) that costs less than
+sorting tokens by expert.
 
-From 17 to ``MAX_GEMM_M`` tokens, grouped by expert (the layout of vLLM's ``fused_moe`` with
+From there to ``MAX_GEMM_M`` tokens, grouped by expert (the layout of vLLM's ``fused_moe`` with
 ``moe_align_block_size``, built here from torch ops so it needs no host synchronisation and no vLLM op):
 the (token, slot) pairs are sorted by expert and each expert's run padded to ``GROUP_M`` rows; one program per
 (group, rows) dequantizes its expert's weight tile once and multiplies it with the group's gathered
@@ -256,11 +258,22 @@ MOE_Q8_KBS = 4
 #: that ``_block_n`` gives: whole experts 79.4 / 296 / 1,146 against 94.1 / 338 / 1,281 us at 1 / 4 / 16 tokens;
 #: TP=8 slices at 16 tokens 167 against 192 (at 1 and 4 tokens ``_block_n`` gives 4 and 8 already).
 MOE_Q8_GATE_UP_BLOCK_N = 8
+#: tokens up to which the per-pair path with int8 gate+up beats the grouped one (each pair re-reads its expert,
+#: but at 1.8-2.2 TB/s).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens 614 / 1,119,
+#: 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256 tokens the
+#: grouped path takes 1,516 and 12,003 (the per-pair one grows linearly: ~2,400 and ~18,300).
+MOE_Q8_MAX_M = 128
 
 
 def _prefetch(device: torch.device, grouped: bool = False) -> int:
     """The kernels' PREFETCH: 0 under the Triton interpreter (no inline PTX there)."""
     return 0 if device.type != "cuda" else GROUPED_PREFETCH if grouped else MOE_PREFETCH
+
+
+def per_pair(qtype_w13: int, num_tokens: int, q8: bool) -> bool:
+    """True where ``gguf_moe`` (grouped=None) runs the per-pair kernels: up to MAX_FAST_M tokens, or up to
+    MOE_Q8_MAX_M when gate+up runs with int8 activations (``q8`` and a Q4_K ``w13``); the grouped path beyond."""
+    return num_tokens <= (MOE_Q8_MAX_M if q8 and int(qtype_w13) == Q4_K else MAX_FAST_M)
 
 
 def _kbs(qtype: int, nb: int) -> int:
@@ -281,8 +294,8 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         topk_ids: (T, k) int32/int64 expert indices into E; a negative id contributes nothing (expert parallelism).
         qtype_w13, qtype_w2: GGML type ids (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
         activation: only "silu" (SwiGLU, GLM-5's ``hidden_act``).
-        grouped: None picks the path by T (per-pair kernels up to MAX_FAST_M tokens, grouped by expert beyond);
-            True/False forces one (tests).
+        grouped: None picks the path by T (``per_pair``: per-pair kernels up to MAX_FAST_M tokens, or
+            MOE_Q8_MAX_M with int8 gate+up; grouped by expert beyond); True/False forces one (tests).
         q8: on the per-pair path, run each Q4_K projection with int8 activations (``gguf_gemv_q8``'s numerics: x
             quantized once per token for gate+up, h once per pair for down; other types keep the fp32 decode).
             None: on for bf16/fp16 x on a GPU (1.25-1.6x faster, ``MOE_Q8_KBS``); False: the fp32 decode.
@@ -321,13 +334,13 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     ids = topk_ids.contiguous()
     wts = topk_weights.contiguous()
     w13w, w2w = _as_words(w13, q13), _as_words(w2, q2)
-    if grouped if grouped is not None else T_ > MAX_FAST_M:
+    if q8 is None:
+        q8 = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+    if grouped if grouped is not None else not per_pair(q13, T_, q8):
         if x.dtype == torch.float32:
             raise ValueError("gguf_moe: the grouped path runs on the tensor cores and needs bf16/fp16 x")
         return _grouped_moe(x, w13w, w2w, wts, ids, q13, q2, inter)
     sms = _device_sms(x.device)
-    if q8 is None:
-        q8 = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
     emulate = x.device.type != "cuda"  # the interpreter has no inline PTX (dp4a)
 
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)

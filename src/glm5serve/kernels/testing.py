@@ -2,6 +2,8 @@
 benchmark): quantized weights with sane scales, and gguf-py's dequantizer followed by an fp64 matmul."""
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import torch
@@ -100,25 +102,51 @@ def q8_moe_bound(x: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int
     x64 = x.detach().cpu().double()
     ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
     inter = w13_raw.shape[1] // 2
+    q13, q2 = Q(qtype_w13) == Q.Q4_K, Q(qtype_w2) == Q.Q4_K
+
+    @functools.lru_cache(maxsize=None)
+    def expert(e):  # dequantized weights and the parts that meet rounded activations, once per expert
+        return (dequant(w13_raw[e], qtype_w13), dequant(w2_raw[e], qtype_w2),
+                _q8_part(w13_raw[e], qtype_w13).abs() if q13 else None,
+                _q8_part(w2_raw[e], qtype_w2).abs() if q2 else None)
+
     out = torch.zeros(x.shape[0], w2_raw.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
             e = int(ids[t, s])
             if e < 0:
                 continue
-            W1, W2 = dequant(w13_raw[e], qtype_w13), dequant(w2_raw[e], qtype_w2)
+            W1, W2, S1, S2 = expert(e)
             gate_up = W1 @ x64[t]
             gate, up = gate_up[:inter], gate_up[inter:]
-            e13 = (q8_activation_bound(x64[t:t + 1], w13_raw[e], qtype_w13)[0] if Q(qtype_w13) == Q.Q4_K
-                   else torch.zeros_like(gate_up))
+            e13 = S1 @ _half_step(x64[t]) if q13 else torch.zeros_like(gate_up)
             eg, eu = e13[:inter], e13[inter:]
             dh = 1.1 * eg * (up.abs() + eu) + torch.nn.functional.silu(gate).abs() * eu
             b = W2.abs() @ dh
-            if Q(qtype_w2) == Q.Q4_K:
-                hmax = (torch.nn.functional.silu(gate) * up).abs() + dh
-                b = b + q8_activation_bound(hmax[None], w2_raw[e], qtype_w2)[0]
+            if q2:
+                b = b + S2 @ _half_step((torch.nn.functional.silu(gate) * up).abs() + dh)
             out[t] += wts[t, s].abs() * b
     return out
+
+
+def _half_step(v: torch.Tensor) -> torch.Tensor:
+    """Per value of v (..., K) float64, half the int8 step of its 32-block (max |v| / 127 / 2): the most rounding
+    to ``quantize_activations``' blocks moves it."""
+    d = v.abs().reshape(*v.shape[:-1], -1, 32).amax(-1) / 127
+    return (d / 2).repeat_interleave(32, dim=-1)
+
+
+def _q8_part(raw: torch.Tensor, qtype: int, dequant_fn=None) -> torch.Tensor:
+    """The part of each weight that multiplies int8-rounded activations, float64 (N, K): for Q4_K the scaled code
+    (W minus the same blocks dequantized with every code zeroed: the min term meets exact activation sums), for
+    Q8_0 and Q6_K the whole weight."""
+    dequant_fn = dequant_fn or dequant
+    S = dequant_fn(raw, qtype)
+    if Q(qtype) == Q.Q4_K:  # codes follow the 4 + 12 header bytes of ``block_q4_K``
+        codes0 = raw.clone().view(raw.shape[0], -1, 144)
+        codes0[:, :, 16:] = 0
+        S = S - dequant_fn(codes0.view(raw.shape), qtype)
+    return S
 
 
 def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> torch.Tensor:
@@ -129,13 +157,5 @@ def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> to
     ``raw``: (N, row_bytes) uint8 numpy or torch; ``dequant_fn(raw, qtype)`` -> float64 (default: gguf-py, CPU)."""
     if Q(qtype) not in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
         raise ValueError(f"q8_activation_bound: no int8-activation kernel for {Q(qtype).name}")
-    dequant_fn = dequant_fn or dequant
-    raw = torch.as_tensor(raw)
-    S = dequant_fn(raw, qtype)
-    if Q(qtype) == Q.Q4_K:  # codes follow the 4 + 12 header bytes of ``block_q4_K``
-        codes0 = raw.clone().view(raw.shape[0], -1, 144)
-        codes0[:, :, 16:] = 0
-        S = S - dequant_fn(codes0.view(raw.shape), qtype)
-    x64 = x.detach().to(S.device).double()
-    d = x64.abs().reshape(x64.shape[0], -1, 32).amax(-1) / 127
-    return (d / 2).repeat_interleave(32, dim=1) @ S.abs().T
+    S = _q8_part(torch.as_tensor(raw), qtype, dequant_fn)
+    return _half_step(x.detach().to(S.device).double()) @ S.abs().T
