@@ -21,12 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
+from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 from glm5serve.kernels.gguf_moe import per_pair
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, Q8_TYPES, _device_info
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
     q8_moe_bound,
+    q8_moe_model,
     random_qweight,
     random_qweight_torch,
     reference_linear,
@@ -176,12 +178,20 @@ def test_moe_matches_reference(case):
                  ids.to(DEV), q13, q2)
     ref, bound = reference_moe(x.float(), dequant(w13, q13), dequant(w2, q2), wts, ids)
     assert y.shape == (T, H) and y.dtype == dtype
-    # per-pair path (T <= 16, <= 128 with Q4_K gate+up): fp32 weights and h, int8 activations for Q4_K projections
+    # per-pair path (T <= 16, <= 128 with Q4_K experts): fp32 weights and h, int8 activations for Q4_K projections
     # (bf16/fp16 x on a GPU); grouped path: weights and h rounded to x's dtype for the MMA
-    pairs = per_pair(q13, T, q8=True)
+    what = f"{q13.name}/{q2.name} E={E} T={T} k={k}"
+    pairs = per_pair(q13, q2, T, q8=True)
     eps = 2.0 ** -14 if pairs else 2.0 ** -6
-    q8 = q8_moe_bound(x.float(), w13, w2, q13, q2, wts, ids) if pairs and Q.Q4_K in (q13, q2) else 0.0
-    _assert_close(y, ref, bound, eps, f"{q13.name}/{q2.name} E={E} T={T} k={k}", extra=q8)
+    if not (pairs and Q.Q4_K in (q13, q2)):
+        _assert_close(y, ref, bound, eps, what)
+        return
+    # the int8 path: within its (loose) rounding bound of the exact MLP, and sharp against the float64 value of its
+    # own int8 arithmetic (from the kernel's own rounding of x, tested in test_q8_activation_blocks)
+    _assert_close(y, ref, bound, eps, what, extra=q8_moe_bound(x.float(), w13, w2, q13, q2, wts, ids))
+    xq, xd, _ = quantize_activations(x.to(DEV))
+    model, tie = q8_moe_model(x.float(), xq, xd, w13, w2, q13, q2, wts, ids)
+    _assert_close(y, model, bound, 2.0 ** -16, what + " (int8 model)", extra=tie)
 
 
 @pytest.mark.parametrize("cfg", (GemvConfig(split_k=1), GemvConfig(split_k=4), None,
@@ -261,6 +271,22 @@ def test_q8_dp4a_equals_its_emulation(M):
     x, w, _, _ = _linear_case(Q.Q4_K, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
     for kw in (dict(), dict(block_n=32, kbs=4, split_k=2), dict(block_m=1, split_k=3), dict(block_m=2)):
         assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 301, **kw), gguf_linear_q8(x, w, Q.Q4_K, 301, dp4a=False, **kw))
+
+
+@pytest.mark.parametrize("T", (3, 40))
+def test_moe_q8_dp4a_equals_its_emulation(T):
+    """The int8 per-pair MoE's dp4a (PTX) and its shift-and-multiply emulation (what the interpreter tests check
+    against the float64 model) give bit-identical outputs on the GPU; Q4_K gate+up and down (and a Q6_K down: gate+up
+    only); 40 tokens is past 16 (per-pair up to MOE_Q8_MAX_M)."""
+    rng = np.random.default_rng(8)
+    E, H, inter, k = 8, 768, 512, 4
+    for q2 in (Q.Q4_K, Q.Q6_K):
+        w13, w2 = _moe_weights(Q.Q4_K, q2, E, H, inter, rng)
+        x = torch.randn(T, H, device=DEV).bfloat16()
+        ids, wts = _routing(T, E, k)
+        ids[0, 0] = -1  # an expert on another rank
+        y = gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, q2, grouped=False)
+        assert torch.equal(y, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, q2, grouped=False, dp4a=False)), q2.name
 
 
 def test_moe_prefetch_changes_no_bit(monkeypatch):

@@ -116,14 +116,15 @@ def test_a_bad_config_is_refused_when_made(bad):
 
 
 def test_moe_path_by_batch():
-    """gguf_moe runs the per-pair kernels up to 16 tokens, or up to MOE_Q8_MAX_M (128) where gate+up runs with int8
-    activations (Q4_K w13 and q8, i.e. bf16/fp16 x on a GPU: measured faster than the grouped path there), and
-    the grouped tensor-core kernels beyond."""
+    """gguf_moe runs the per-pair kernels up to 16 tokens, or up to MOE_Q8_MAX_M (128) where both projections run
+    with int8 activations (Q4_K w13 and w2, and q8, i.e. bf16/fp16 x on a GPU: measured faster than the grouped
+    path there), and the grouped tensor-core kernels beyond."""
     from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M, per_pair
 
     assert MOE_Q8_MAX_M == 128
-    for qtype in SUPPORTED_QTYPES:
-        for q8 in (False, True):
-            limit = 128 if q8 and qtype == Q4_K else 16
-            assert [per_pair(qtype, t, q8) for t in (1, 16, 17, limit, limit + 1)] == [True, True, limit > 16, True,
-                                                                                         False], (qtype, q8)
+    for q13 in SUPPORTED_QTYPES:
+        for q2 in SUPPORTED_QTYPES:
+            for q8 in (False, True):
+                limit = 128 if q8 and q13 == q2 == Q4_K else 16
+                assert [per_pair(q13, q2, t, q8) for t in (1, 16, 17, limit, limit + 1)] == [
+                    True, True, limit > 16, True, False], (q13, q2, q8)

@@ -25,7 +25,7 @@ bound by its instruction count before it reaches that bandwidth):
   same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
   fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
-Two later additions: for Q4_K at batches 1-4 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
+Two later additions: for Q4_K at batches 1-8 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
 rounded to int8 blocks and the codes multiplied with ``dp4a`` (``gguf_gemv_q8``: ~2.9 instead of ~6.3 instructions
 per weight); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
 (``GemvConfig.prefetch``).
@@ -54,8 +54,8 @@ SUPPORTED_QTYPES = frozenset(BLOCK_SIZES)
 _NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
 _WORD_TYPES = frozenset({Q4_K, Q5_K})
-MAX_FAST_M = 16   # per-row decode kernels (GEMV FMA path, per-(token, expert) MoE)
-MAX_GEMM_M = 256  # 17..256 rows: dequantize to bf16 + cuBLAS (grouped by expert for MoE); beyond: the plugin's
+MAX_FAST_M = 16   # decode kernels (GEMV FMA / int8 / tensor-core paths; per-(token, expert) MoE, see gguf_moe)
+MAX_GEMM_M = 256  # up to 256 rows: dequantize to bf16 + cuBLAS (grouped by expert for MoE); beyond: the plugin's
 
 _ONE: tl.constexpr = tl.constexpr(0x3F800000)  # bits of 1.0f
 STORE: tl.constexpr = tl.constexpr(2)  # USE_DOT value of the dequantize kernel: write the weights, no product

@@ -1,7 +1,8 @@
 """GGUF GEMV with the activations quantized to 8-bit blocks, as llama.cpp's CUDA backend does it (MMVQ:
 ``quantize_q8_1`` then ``vec_dot_q4_K_q8_1``, ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's
 ``ggml_mul_mat_vec_a8`` is the same), for Q4_K only; ``pick_config`` chooses it (measured on an H200, see
-``gguf_gemv``).
+``gguf_gemv``).  The per-pair MoE (``gguf_moe``) runs its Q4_K experts on the same one-row step
+(``quantize_activations``, ``_dot_q4_k_q8``).
 
 Why: the fp32 decode of ``gguf_gemv`` spends ~6 SASS instructions per weight, which caps a batch-1 GEMV on an H200
 below half of its memory bandwidth.  Here the 4-bit codes stay packed: ``q & 0x0F0F0F0F`` is four codes as bytes,

@@ -1,18 +1,18 @@
 """Triton top-k MoE for GGUF-quantized experts at decode batch sizes (no per-expert Python loop).
 
-Up to 16 tokens (``MAX_FAST_M``; 128, ``MOE_Q8_MAX_M``, where gate+up runs with int8 activations), two launches,
-one program per (token, slot):
+Up to 16 tokens (``MAX_FAST_M``; 128, ``MOE_Q8_MAX_M``, where both projections run with int8 activations), two
+launches, one program per (token, slot):
 1. gate+up: one program per (token, slot, BLOCK_N rows of the intermediate) reads expert ``topk_ids[t, s]``'s
    gate and up rows from the 3-D byte tensor ``w13`` (E, 2I, row_bytes) -- gate rows 0..I-1, up rows I..2I-1,
    vLLM's ``w13`` order -- and writes h = silu(gate) * up in fp32.
 2. down: one program per (token, BLOCK_N rows of the hidden size) sums ``topk_weights[t, s] * W2[e_s] @ h[t, s]``
    over the token's slots and stores the result in x's dtype: the weighted sum needs no atomics or extra kernel.
 
-Q4_K projections (GLM-5's routed experts) run with int8 activations on a GPU, as llama.cpp's MMVQ does
-(``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below).
+Q4_K projections (GLM-5's routed experts) run with int8 activations for bf16/fp16 x on a GPU, as llama.cpp's
+MMVQ does (``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below).
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
-(from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 gate+up) that costs less than
+(from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 activations) that costs less than
 sorting tokens by expert.
 
 From there to ``MAX_GEMM_M`` tokens, grouped by expert (the layout of vLLM's ``fused_moe`` with
@@ -229,7 +229,7 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
 
 def supports_moe(qtype_w13: int, qtype_w2: int, num_tokens: int, hidden: int, inter: int) -> bool:
     """True where ``gguf_moe`` is meant to be used: supported types, 1..MAX_GEMM_M tokens (per-pair kernels up to
-    16, grouped by expert beyond), whole quant blocks."""
+    16 or 128 tokens, ``per_pair``; grouped by expert beyond), whole quant blocks."""
     q13, q2 = int(qtype_w13), int(qtype_w2)
     return (q13 in SUPPORTED_QTYPES and q2 in SUPPORTED_QTYPES and 1 <= num_tokens <= MAX_GEMM_M
             and hidden % BLOCK_SIZES[q13][0] == 0 and inter % BLOCK_SIZES[q2][0] == 0)
@@ -243,7 +243,7 @@ def _block_n(row_tiles_of_16: int, items: int, sms: int) -> int:
     return 4
 
 
-#: steps of L2 prefetch ahead of the decode loop (``_rows_dot``) in the per-pair kernels (<= 16 tokens) and the
+#: steps of L2 prefetch ahead of the decode loop (``_rows_dot``) in the per-pair fp32-decode kernels and the
 #: grouped ones.  H200, session 6, 256 experts top-8 Q4_K, 2 steps vs none in the same run: whole experts
 #: (I = 2048) 143 vs 145 us at 1 token, 2,033 vs 2,221 us at 16; TP=8 slices (I = 256) 30.1 vs 31.3 us at 1,
 #: 270 vs 279 us at 16.  The grouped path at 256 tokens: 1,523 vs 1,520 us (no gain, left off).
@@ -258,8 +258,8 @@ MOE_Q8_KBS = 4
 #: that ``_block_n`` gives: whole experts 79.4 / 296 / 1,146 against 94.1 / 338 / 1,281 us at 1 / 4 / 16 tokens;
 #: TP=8 slices at 16 tokens 167 against 192 (at 1 and 4 tokens ``_block_n`` gives 4 and 8 already).
 MOE_Q8_GATE_UP_BLOCK_N = 8
-#: tokens up to which the per-pair path with int8 gate+up beats the grouped one (each pair re-reads its expert,
-#: but at 1.8-2.2 TB/s).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens 614 / 1,119,
+#: tokens up to which the per-pair path with int8 gate+up and down beats the grouped one (each pair re-reads its
+#: expert, but at 1.8-2.2 TB/s).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens 614 / 1,119,
 #: 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256 tokens the
 #: grouped path takes 1,516 and 12,003 (the per-pair one grows linearly: ~2,400 and ~18,300).
 MOE_Q8_MAX_M = 128
@@ -270,10 +270,12 @@ def _prefetch(device: torch.device, grouped: bool = False) -> int:
     return 0 if device.type != "cuda" else GROUPED_PREFETCH if grouped else MOE_PREFETCH
 
 
-def per_pair(qtype_w13: int, num_tokens: int, q8: bool) -> bool:
+def per_pair(qtype_w13: int, qtype_w2: int, num_tokens: int, q8: bool) -> bool:
     """True where ``gguf_moe`` (grouped=None) runs the per-pair kernels: up to MAX_FAST_M tokens, or up to
-    MOE_Q8_MAX_M when gate+up runs with int8 activations (``q8`` and a Q4_K ``w13``); the grouped path beyond."""
-    return num_tokens <= (MOE_Q8_MAX_M if q8 and int(qtype_w13) == Q4_K else MAX_FAST_M)
+    MOE_Q8_MAX_M when both projections run with int8 activations (``q8`` and Q4_K ``w13`` and ``w2``: the case
+    measured); the grouped path beyond."""
+    both = q8 and int(qtype_w13) == Q4_K and int(qtype_w2) == Q4_K
+    return num_tokens <= (MOE_Q8_MAX_M if both else MAX_FAST_M)
 
 
 def _kbs(qtype: int, nb: int) -> int:
@@ -282,7 +284,7 @@ def _kbs(qtype: int, nb: int) -> int:
 
 def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, qtype_w13: int, qtype_w2: int, activation: str = "silu",
-             grouped: bool | None = None, q8: bool | None = None) -> torch.Tensor:
+             grouped: bool | None = None, q8: bool | None = None, dp4a: bool = True) -> torch.Tensor:
     """Routed-expert MLP: y[t] = sum_s topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s].
 
     Args:
@@ -295,14 +297,19 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         qtype_w13, qtype_w2: GGML type ids (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
         activation: only "silu" (SwiGLU, GLM-5's ``hidden_act``).
         grouped: None picks the path by T (``per_pair``: per-pair kernels up to MAX_FAST_M tokens, or
-            MOE_Q8_MAX_M with int8 gate+up; grouped by expert beyond); True/False forces one (tests).
+            MOE_Q8_MAX_M when both projections run with int8 activations; grouped by expert beyond); True/False
+            forces one (tests).
         q8: on the per-pair path, run each Q4_K projection with int8 activations (``gguf_gemv_q8``'s numerics: x
             quantized once per token for gate+up, h once per pair for down; other types keep the fp32 decode).
-            None: on for bf16/fp16 x on a GPU (1.25-1.6x faster, ``MOE_Q8_KBS``); False: the fp32 decode.
+            None: on for bf16/fp16 x on a GPU (1.2-1.8x faster: ``MOE_Q8_KBS``, ``MOE_Q8_GATE_UP_BLOCK_N``);
+            False: the fp32 decode.
+        dp4a: False computes the int8 path's integer dot products with shifts and multiplies (always so under the
+            Triton interpreter, which has no inline PTX); the results are bit-identical.
     Returns:
-        (T, H) in x's dtype; the intermediate h is kept in fp32 on the per-pair path, in x's dtype on the grouped
-        (tensor-core) path, where fp32 activations are not supported.  With int8 activations each output moves by
-        at most ``kernels.testing.q8_moe_bound`` more.
+        (T, H) in x's dtype; the intermediate h is kept in fp32 on the per-pair path (then rounded to int8 blocks
+        for a Q4_K down projection with ``q8``), in x's dtype on the grouped (tensor-core) path, where fp32
+        activations are not supported.  With int8 activations each output moves by at most
+        ``kernels.testing.q8_moe_bound`` more (``kernels.testing.q8_moe_model`` gives their exact arithmetic).
     Raises:
         ValueError: unsupported type or activation, inconsistent shapes.
     Capture-safe under CUDA graphs (no host synchronisation, allocations through torch).
@@ -336,12 +343,12 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     w13w, w2w = _as_words(w13, q13), _as_words(w2, q2)
     if q8 is None:
         q8 = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
-    if grouped if grouped is not None else not per_pair(q13, T_, q8):
+    if grouped if grouped is not None else not per_pair(q13, q2, T_, q8):
         if x.dtype == torch.float32:
             raise ValueError("gguf_moe: the grouped path runs on the tensor cores and needs bf16/fp16 x")
         return _grouped_moe(x, w13w, w2w, wts, ids, q13, q2, inter)
     sms = _device_sms(x.device)
-    emulate = x.device.type != "cuda"  # the interpreter has no inline PTX (dp4a)
+    emulate = x.device.type != "cuda" or not dp4a  # the interpreter has no inline PTX (dp4a)
 
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)
     nb13 = H // BLOCK_SIZES[q13][0]

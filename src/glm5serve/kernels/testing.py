@@ -97,7 +97,8 @@ def q8_moe_bound(x: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int
     |w_s| (|W2| @ dh + the bound of rounding h' = h + dh to int8 blocks, whose scales are at most
     max(|h| + dh) / 127 per 32-block; that term only for a Q4_K ``w2``).
 
-    ``w13_raw``: (E, 2I, row_bytes) uint8 numpy/torch; ``w2_raw``: (E, H, row_bytes); ids < 0 are skipped."""
+    ``w13_raw``: (E, 2I, row_bytes) uint8 numpy/torch; ``w2_raw``: (E, H, row_bytes), rows without padding (row_bytes
+    = K / 256 * 144 for Q4_K); ids < 0 are skipped."""
     w13_raw, w2_raw = torch.as_tensor(w13_raw).cpu(), torch.as_tensor(w2_raw).cpu()
     x64 = x.detach().cpu().double()
     ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
@@ -127,6 +128,65 @@ def q8_moe_bound(x: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int
                 b = b + S2 @ _half_step((torch.nn.functional.silu(gate) * up).abs() + dh)
             out[t] += wts[t, s].abs() * b
     return out
+
+
+def q8_moe_model(x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, fp32_rel: float = 2.0 ** -18
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 value of what ``gguf_moe(..., q8=True)`` computes on the per-pair path, for a sharp check: its
+    int8 arithmetic without the fp32 rounding.  Returns (y, tie), float64 (T, H) on the CPU.
+
+    x: (T, H) activations; xq (T, H) int8 / xd (T, H/32) fp32: ``quantize_activations(x)``, the kernel's own
+    rounding of x (tested on its own).  A Q4_K projection meets the rounded values with the scaled codes and the
+    exact ones with the min term (``gguf_gemv_q8``): gate/up = S1 x_q + (W1 - S1) x; other types see x.  For a Q4_K
+    ``w2``, h is rounded the same way (blocks of 32, d = max|h| / 127, floor(h / d + 0.5)); where the kernel's fp32
+    h (within ``fp32_rel`` of the gate/up sums' scale; 2^-14 for a non-Q4_K ``w13``) could round to the other
+    code, ``tie`` adds that code's step times |w_s| |S2|.  Raw stacks as in ``q8_moe_bound`` (rows without padding); ids < 0 are skipped."""
+    w13_raw, w2_raw = torch.as_tensor(w13_raw).cpu(), torch.as_tensor(w2_raw).cpu()
+    x64 = x.detach().cpu().double()
+    xr = (xq.cpu().double().view(x.shape[0], -1, 32) * xd.cpu().double()[..., None]).view(x64.shape)
+    ids, wts = topk_ids.cpu(), topk_weights.cpu().double()
+    inter = w13_raw.shape[1] // 2
+    q13, q2 = Q(qtype_w13) == Q.Q4_K, Q(qtype_w2) == Q.Q4_K
+    silu = torch.nn.functional.silu
+
+    @functools.lru_cache(maxsize=None)
+    def expert(e):  # (W1, S1, W2, S2): weights and the parts that meet rounded activations (S = W where none)
+        W1, W2 = dequant(w13_raw[e], qtype_w13), dequant(w2_raw[e], qtype_w2)
+        return W1, _q8_part(w13_raw[e], qtype_w13) if q13 else W1, W2, _q8_part(w2_raw[e], qtype_w2) if q2 else W2
+
+    y = torch.zeros(x.shape[0], w2_raw.shape[1], dtype=torch.float64)
+    tie = torch.zeros_like(y)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if e < 0:
+                continue
+            W1, S1, W2, S2 = expert(e)
+            xs = xr[t] if q13 else x64[t]
+            gu = S1 @ xs + (W1 - S1) @ x64[t]
+            scale = S1.abs() @ xs.abs() + (W1 - S1).abs() @ x64[t].abs()
+            g, u = gu[:inter], gu[inter:]
+            h = silu(g) * u
+            if not q2:
+                y[t] += wts[t, s] * (W2 @ h)
+                continue
+            # fp32 error of the kernel's h; the fp32 decode of a non-Q4_K w13 also rounds each weight by up to 2^-15
+            # of its sub-block scale (``gguf_gemv._weights``), hence the wider margin there
+            rel = fp32_rel if q13 else max(fp32_rel, 2.0 ** -14)
+            dh = rel * (1.1 * scale[:inter] * u.abs() + silu(g).abs() * scale[inter:] + h.abs())
+            b = h.reshape(-1, 32)
+            d = b.abs().amax(-1, keepdim=True) / 127
+            r = b / torch.where(d > 0, d, 1) + 0.5
+            hr = (torch.where(d > 0, torch.floor(r), 0) * d).reshape(h.shape)
+            # the kernel's h_i and the block's max may each be off by dh, which moves h_i / d by at most
+            # (dh_i + |h_i| / max|h| dh_max) / d: a code within (twice) that of a tie may flip
+            dhb = dh.reshape(b.shape)
+            slack = 2 * (dhb + b.abs() / torch.where(d > 0, 127 * d, 1) * dhb.amax(-1, keepdim=True)) + 2.0 ** -20 * d
+            flip = torch.where((r - torch.round(r)).abs() * d <= slack, d, 0).reshape(h.shape)
+            y[t] += wts[t, s] * (S2 @ hr + (W2 - S2) @ h)
+            tie[t] += wts[t, s].abs() * (S2.abs() @ flip)
+    return y, tie
 
 
 def _half_step(v: torch.Tensor) -> torch.Tensor:
