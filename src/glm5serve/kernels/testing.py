@@ -62,6 +62,15 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return x64 @ w64.T, x64.abs() @ w64.abs().T
 
 
+def _routed_pairs(topk_ids: torch.Tensor):
+    """(token, slot, expert) for every routed pair of ``topk_ids`` (T, k), in token then slot order; negative ids
+    (experts on other ranks) are skipped."""
+    for t, row in enumerate(topk_ids.tolist()):
+        for s, e in enumerate(row):
+            if e >= 0:
+                yield t, s, e
+
+
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert SwiGLU MLP in float64 from dequantized ``w13`` (E, 2I, H) and ``w2`` (E, H, I), one token and
@@ -73,18 +82,14 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     inter = w13.shape[1] // 2
     y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     bound = torch.zeros_like(y)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = int(ids[t, s])
-            if e < 0:
-                continue
-            gate_up = w13[e] @ x64[t]
-            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            g_bound = w13[e].abs() @ x64[t].abs()
-            gate, up = gate_up[:inter], gate_up[inter:]
-            h_bound = 1.1 * g_bound[:inter] * up.abs() + torch.nn.functional.silu(gate).abs() * g_bound[inter:]
-            y[t] += wts[t, s] * (w2[e] @ h)
-            bound[t] += wts[t, s].abs() * (w2[e].abs() @ (h.abs() + h_bound))
+    for t, s, e in _routed_pairs(ids):
+        gate_up = w13[e] @ x64[t]
+        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+        g_bound = w13[e].abs() @ x64[t].abs()
+        gate, up = gate_up[:inter], gate_up[inter:]
+        h_bound = 1.1 * g_bound[:inter] * up.abs() + torch.nn.functional.silu(gate).abs() * g_bound[inter:]
+        y[t] += wts[t, s] * (w2[e] @ h)
+        bound[t] += wts[t, s].abs() * (w2[e].abs() @ (h.abs() + h_bound))
     return y, bound
 
 
@@ -112,21 +117,17 @@ def q8_moe_bound(x: torch.Tensor, w13_raw, w2_raw, qtype_w13: int, qtype_w2: int
                 _q8_part(w2_raw[e], qtype_w2).abs() if q2 else None)
 
     out = torch.zeros(x.shape[0], w2_raw.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = int(ids[t, s])
-            if e < 0:
-                continue
-            W1, W2, S1, S2 = expert(e)
-            gate_up = W1 @ x64[t]
-            gate, up = gate_up[:inter], gate_up[inter:]
-            e13 = S1 @ _half_step(x64[t]) if q13 else torch.zeros_like(gate_up)
-            eg, eu = e13[:inter], e13[inter:]
-            dh = 1.1 * eg * (up.abs() + eu) + torch.nn.functional.silu(gate).abs() * eu
-            b = W2.abs() @ dh
-            if q2:
-                b = b + S2 @ _half_step((torch.nn.functional.silu(gate) * up).abs() + dh)
-            out[t] += wts[t, s].abs() * b
+    for t, s, e in _routed_pairs(ids):
+        W1, W2, S1, S2 = expert(e)
+        gate_up = W1 @ x64[t]
+        gate, up = gate_up[:inter], gate_up[inter:]
+        e13 = S1 @ _half_step(x64[t]) if q13 else torch.zeros_like(gate_up)
+        eg, eu = e13[:inter], e13[inter:]
+        dh = 1.1 * eg * (up.abs() + eu) + torch.nn.functional.silu(gate).abs() * eu
+        b = W2.abs() @ dh
+        if q2:
+            b = b + S2 @ _half_step((torch.nn.functional.silu(gate) * up).abs() + dh)
+        out[t] += wts[t, s].abs() * b
     return out
 
 
@@ -157,35 +158,31 @@ def q8_moe_model(x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, w13_raw, w
 
     y = torch.zeros(x.shape[0], w2_raw.shape[1], dtype=torch.float64)
     tie = torch.zeros_like(y)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = int(ids[t, s])
-            if e < 0:
-                continue
-            W1, S1, W2, S2 = expert(e)
-            xs = xr[t] if q13 else x64[t]
-            gu = S1 @ xs + (W1 - S1) @ x64[t]
-            scale = S1.abs() @ xs.abs() + (W1 - S1).abs() @ x64[t].abs()
-            g, u = gu[:inter], gu[inter:]
-            h = silu(g) * u
-            if not q2:
-                y[t] += wts[t, s] * (W2 @ h)
-                continue
-            # fp32 error of the kernel's h; the fp32 decode of a non-Q4_K w13 also rounds each weight by up to 2^-15
-            # of its sub-block scale (``gguf_gemv._weights``), hence the wider margin there
-            rel = fp32_rel if q13 else max(fp32_rel, 2.0 ** -14)
-            dh = rel * (1.1 * scale[:inter] * u.abs() + silu(g).abs() * scale[inter:] + h.abs())
-            b = h.reshape(-1, 32)
-            d = b.abs().amax(-1, keepdim=True) / 127
-            r = b / torch.where(d > 0, d, 1) + 0.5
-            hr = (torch.where(d > 0, torch.floor(r), 0) * d).reshape(h.shape)
-            # the kernel's h_i and the block's max may each be off by dh, which moves h_i / d by at most
-            # (dh_i + |h_i| / max|h| dh_max) / d: a code within (twice) that of a tie may flip
-            dhb = dh.reshape(b.shape)
-            slack = 2 * (dhb + b.abs() / torch.where(d > 0, 127 * d, 1) * dhb.amax(-1, keepdim=True)) + 2.0 ** -20 * d
-            flip = torch.where((r - torch.round(r)).abs() * d <= slack, d, 0).reshape(h.shape)
-            y[t] += wts[t, s] * (S2 @ hr + (W2 - S2) @ h)
-            tie[t] += wts[t, s].abs() * (S2.abs() @ flip)
+    for t, s, e in _routed_pairs(ids):
+        W1, S1, W2, S2 = expert(e)
+        xs = xr[t] if q13 else x64[t]
+        gu = S1 @ xs + (W1 - S1) @ x64[t]
+        scale = S1.abs() @ xs.abs() + (W1 - S1).abs() @ x64[t].abs()
+        g, u = gu[:inter], gu[inter:]
+        h = silu(g) * u
+        if not q2:
+            y[t] += wts[t, s] * (W2 @ h)
+            continue
+        # fp32 error of the kernel's h; the fp32 decode of a non-Q4_K w13 also rounds each weight by up to 2^-15
+        # of its sub-block scale (``gguf_gemv._weights``), hence the wider margin there
+        rel = fp32_rel if q13 else max(fp32_rel, 2.0 ** -14)
+        dh = rel * (1.1 * scale[:inter] * u.abs() + silu(g).abs() * scale[inter:] + h.abs())
+        b = h.reshape(-1, 32)
+        d = b.abs().amax(-1, keepdim=True) / 127
+        r = b / torch.where(d > 0, d, 1) + 0.5
+        hr = (torch.where(d > 0, torch.floor(r), 0) * d).reshape(h.shape)
+        # the kernel's h_i and the block's max may each be off by dh, which moves h_i / d by at most
+        # (dh_i + |h_i| / max|h| dh_max) / d: a code within (twice) that of a tie may flip
+        dhb = dh.reshape(b.shape)
+        slack = 2 * (dhb + b.abs() / torch.where(d > 0, 127 * d, 1) * dhb.amax(-1, keepdim=True)) + 2.0 ** -20 * d
+        flip = torch.where((r - torch.round(r)).abs() * d <= slack, d, 0).reshape(h.shape)
+        y[t] += wts[t, s] * (S2 @ hr + (W2 - S2) @ h)
+        tie[t] += wts[t, s].abs() * (S2.abs() @ flip)
     return y, tie
 
 
