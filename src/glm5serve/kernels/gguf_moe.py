@@ -259,9 +259,9 @@ MOE_Q8_KBS = 4
 #: TP=8 slices at 16 tokens 167 against 192 (at 1 and 4 tokens ``_block_n`` gives 4 and 8 already).
 MOE_Q8_GATE_UP_BLOCK_N = 8
 #: tokens up to which the per-pair path with int8 gate+up and down beats the grouped one (each pair re-reads its
-#: expert, but at 1.8-2.2 TB/s).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens 614 / 1,119,
-#: 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256 tokens the
-#: grouped path takes 1,516 and 12,003 (the per-pair one grows linearly: ~2,400 and ~18,300).
+#: expert).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens
+#: 614 / 1,119, 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256
+#: tokens the grouped path takes 1,516 and 12,003 (the per-pair one grows linearly: ~2,400 and ~18,300).
 MOE_Q8_MAX_M = 128
 
 

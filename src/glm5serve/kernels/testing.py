@@ -142,7 +142,8 @@ def q8_moe_model(x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, w13_raw, w
     exact ones with the min term (``gguf_gemv_q8``): gate/up = S1 x_q + (W1 - S1) x; other types see x.  For a Q4_K
     ``w2``, h is rounded the same way (blocks of 32, d = max|h| / 127, floor(h / d + 0.5)); where the kernel's fp32
     h (within ``fp32_rel`` of the gate/up sums' scale; 2^-14 for a non-Q4_K ``w13``) could round to the other
-    code, ``tie`` adds that code's step times |w_s| |S2|.  Raw stacks as in ``q8_moe_bound`` (rows without padding); ids < 0 are skipped."""
+    code, ``tie`` adds that code's step times |w_s| |S2|.  Raw stacks as in ``q8_moe_bound`` (rows without
+    padding); ids < 0 are skipped."""
     w13_raw, w2_raw = torch.as_tensor(w13_raw).cpu(), torch.as_tensor(w2_raw).cpu()
     x64 = x.detach().cpu().double()
     xr = (xq.cpu().double().view(x.shape[0], -1, 32) * xd.cpu().double()[..., None]).view(x64.shape)
