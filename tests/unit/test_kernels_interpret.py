@@ -311,8 +311,9 @@ else:
             one = gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=1, **cfg)
             assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=block_m, **cfg), one), cfg
         assert one.abs().amax(1).min() > 0  # every row was computed
-        with pytest.raises(ValueError, match="block_m=3"):
-            gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=3)
+        for bad in (3, 2.0, True, 16):  # a float or bool is not a row count (review finding, session 7)
+            with pytest.raises(ValueError, match=f"block_m={bad}"):
+                gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=bad)
 
     @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
     def test_q8_config_is_ignored_for_other_types(qtype):

@@ -272,7 +272,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
         raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
     if block_m is None:
         block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
-    if block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
+    if type(block_m) is not int or block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
