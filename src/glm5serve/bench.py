@@ -135,8 +135,23 @@ def _speed(step_ms: float, c: int) -> dict:
             "tok_s_total": 1000 * c / step_ms if step_ms > 0 else None}
 
 
-def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) -> dict:
+def _step_value(r: dict, basis: str) -> float | None:
+    """One result's step time in ms on ``basis``: ``step`` the measured wall time, ``gpu`` rank 0's profiled
+    kernel time per decode step (``None`` where the run has no profile)."""
+    if basis == "step":
+        return r.get("step_ms")
+    gpu = (r.get("profile") or {}).get("gpu_us_per_step")
+    return gpu / 1000 if gpu else None
+
+
+def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, basis: str = "step") -> dict:
     """A linear projection of the decode step time from bench records (the JSON ``glm5serve bench`` writes).
+
+    ``basis`` ``step`` fits the measured wall step times; ``gpu`` fits rank 0's profiled GPU kernel time per step
+    (``profile.gpu_us_per_step``), which leaves out the host's share of a step (scheduling, the multiprocess
+    executor's broadcast to the TP workers) and so its run-to-run noise: two engines of the same 4-layer slice at
+    TP=2 on an H200 took 3.46 and 2.58 ms per batch-1 step, with 1.320 ms of GPU time in both (issue 9); the
+    8-layer slice took 2.89 ms. The ``gpu`` projection is therefore a lower bound on the wall step.
 
     Layers: for each TP size, mode and concurrency, a least-squares line through (layers, step_ms) over the records'
     layer counts (>= 2 needed): the slope is the cost of one more MoE layer, the intercept the per-step cost of
@@ -150,16 +165,17 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8) ->
     Where the data give a negative per-layer time or a projected step time <= 0 (noise, or runs that do not belong
     together) that entry is not projected and says why, like an entry that lacks data.
     """
-    out = {"label": "projection (not a measurement)", "target_layers": target_layers, "target_tp": target_tp,
-           "layers": {}, "tp": {}}
+    if basis not in ("step", "gpu"):
+        raise ValueError(f"basis is 'step' or 'gpu', not {basis!r}")
+    out = {"label": "projection (not a measurement)", "basis": basis, "target_layers": target_layers,
+           "target_tp": target_tp, "layers": {}, "tp": {}}
     series: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
     ar: dict[tuple[str, int], tuple[float, float, int]] = {}  # (mode, c) -> (us per call, calls per step, layers)
     for rec in records:
         for run in rec["runs"]:
             for r in run["results"]:
-                if r.get("step_ms"):
-                    series.setdefault((rec["tp"], run["mode"], r["concurrency"]), []).append((rec["layers"],
-                                                                                              r["step_ms"]))
+                if step := _step_value(r, basis):
+                    series.setdefault((rec["tp"], run["mode"], r["concurrency"]), []).append((rec["layers"], step))
                 g = ((r.get("profile") or {}).get("groups") or {}).get("allreduce")
                 if rec["tp"] == 2 and g and g["calls_per_step"]:
                     ar[(run["mode"], r["concurrency"])] = (g["us_per_step"] / g["calls_per_step"],
@@ -423,7 +439,9 @@ def format_record(rec: dict) -> str:
 
 def format_projection(proj: dict) -> str:
     """The projection as text, every line marked as a projection."""
-    lines = [f"PROJECTION (not a measurement) to {proj['target_layers']} layers and TP={proj['target_tp']}:"]
+    what = {"step": "wall step time", "gpu": "rank 0's GPU kernel time per step, no host overhead: a lower bound"}
+    lines = [f"PROJECTION (not a measurement) to {proj['target_layers']} layers and TP={proj['target_tp']}, "
+             f"from {what[proj.get('basis', 'step')]}:"]
     for tp, modes in proj["layers"].items():
         for mode, cs in modes.items():
             for c, e in cs.items():
@@ -486,6 +504,9 @@ def add_parser(subparsers) -> None:
                    help="instead of running: project bench records to --target-layers at --target-tp")
     p.add_argument("--target-layers", type=int, default=78)
     p.add_argument("--target-tp", type=int, default=8)
+    p.add_argument("--basis", choices=("step", "gpu"), default="step",
+                   help="project the wall step time (default) or the profiled GPU kernel time per step (--profile "
+                        "runs; leaves out host overhead and its noise: a lower bound)")
     p.set_defaults(func=_run)
 
 
@@ -523,6 +544,8 @@ def _read_record(path) -> dict:
             need(r.get("step_ms") is None or number(r["step_ms"]), f"{at}.step_ms", "a finite number >= 0 or null")
             profile = r.get("profile")
             need(profile is None or isinstance(profile, dict), f"{at}.profile", "an object or null")
+            gpu = (profile or {}).get("gpu_us_per_step")
+            need(gpu is None or number(gpu), f"{at}.profile.gpu_us_per_step", "a finite number >= 0 or null")
             groups = (profile or {}).get("groups")
             need(groups is None or isinstance(groups, dict), f"{at}.profile.groups", "an object")
             ar = (groups or {}).get("allreduce")
@@ -553,7 +576,7 @@ def _run(args) -> int:
         if args.target_layers < 1 or args.target_tp < 1:
             raise GGUFModelError("--target-layers and --target-tp must be >= 1")
         records = [_read_record(f) for f in args.projection]
-        out = project(records, args.target_layers, args.target_tp)
+        out = project(records, args.target_layers, args.target_tp, args.basis)
         print(format_projection(out))
     else:
         if args.model is None:

@@ -228,6 +228,39 @@ def test_projection_refuses_step_times_that_contradict_it(tmp_path, capsys):
     assert "projection tp1 graphs c=1: not projected: the line through" in out and "tok/s" not in out
 
 
+def test_projection_on_gpu_time_ignores_host_noise(tmp_path, capsys):
+    """``basis="gpu"`` fits the profiled kernel time per step: host overhead added to the wall step times (here
+    2 ms at 4 layers, none at 8, as seen at TP=2 on the H200) bends the wall-time lines but not the GPU ones."""
+    recs = [_record(4, 1, profile=True), _record(8, 1, profile=True), _record(4, 2, profile=True),
+            _record(8, 2, profile=True)]
+    for rec in recs:
+        for r in rec["runs"][0]["results"]:
+            r["profile"]["gpu_us_per_step"] = 1000 * r["step_ms"]
+            r["step_ms"] += 2.0 if rec["layers"] == 4 else 0.0
+    gpu = bench.project(recs, basis="gpu")
+    assert gpu["basis"] == "gpu" and gpu["label"] == "projection (not a measurement)"
+    assert gpu["layers"]["tp1"]["graphs"]["1"]["ms_per_layer"] == pytest.approx(0.65)
+    assert gpu["tp"]["graphs"]["64"]["step_ms"] == pytest.approx(_world_ms(78, 8))
+    wall = bench.project(recs)
+    assert wall["basis"] == "step" and wall["layers"]["tp1"]["graphs"]["1"]["ms_per_layer"] == pytest.approx(0.15)
+    # without profiles there is nothing to fit on the GPU basis
+    assert bench.project([_record(4, 1), _record(8, 1)], basis="gpu")["layers"] == {}
+    with pytest.raises(ValueError, match="basis"):
+        bench.project(recs, basis="wall")
+    files = []
+    for i, rec in enumerate(recs):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(rec))
+    assert main(["bench", "--projection", *map(str, files), "--basis", "gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU kernel time" in out and "lower bound" in out.splitlines()[0]
+    bad = recs[0]
+    bad["runs"][0]["results"][0]["profile"]["gpu_us_per_step"] = "fast"
+    files[0].write_text(json.dumps(bad))
+    assert main(["bench", "--projection", *map(str, files), "--basis", "gpu"]) == 2
+    assert "profile.gpu_us_per_step" in capsys.readouterr().err
+
+
 # -- the commands ---------------------------------------------------------------------------------------------------
 
 def test_projection_command_prints_and_writes_a_labelled_projection(tmp_path, capsys):
