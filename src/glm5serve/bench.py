@@ -137,11 +137,12 @@ def _speed(step_ms: float, c: int) -> dict:
 
 def _step_value(r: dict, basis: str) -> float | None:
     """One result's step time in ms on ``basis``: ``step`` the measured wall time, ``gpu`` rank 0's profiled
-    kernel time per decode step (``None`` where the run has no profile)."""
+    kernel time per decode step (``None`` where the run has no profile or its profile holds a prefill step)."""
     if basis == "step":
         return r.get("step_ms")
-    gpu = (r.get("profile") or {}).get("gpu_us_per_step")
-    return gpu / 1000 if gpu else None
+    profile = r.get("profile") or {}
+    gpu = profile.get("gpu_us_per_step")
+    return gpu / 1000 if gpu and profile.get("decode_only", True) else None
 
 
 def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, basis: str = "step") -> dict:
@@ -151,7 +152,10 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
     (``profile.gpu_us_per_step``), which leaves out the host's share of a step (scheduling, the multiprocess
     executor's broadcast to the TP workers) and so its run-to-run noise: two engines of the same 4-layer slice at
     TP=2 on an H200 took 3.46 and 2.58 ms per batch-1 step, with 1.320 ms of GPU time in both (issue 9); the
-    8-layer slice took 2.89 ms. The ``gpu`` projection is therefore a lower bound on the wall step.
+    8-layer slice took 2.89 ms. The ``gpu`` projection therefore tends to lie below the wall step, though it is no
+    strict bound: kernels that overlap on two streams are both counted, and a TP rank's all-reduce kernels include
+    its wait for the other ranks. Results without a decode-only profile are left out on this basis, and an entry
+    that lacks points because of that says so.
 
     Layers: for each TP size, mode and concurrency, a least-squares line through (layers, step_ms) over the records'
     layer counts (>= 2 needed): the slope is the cost of one more MoE layer, the intercept the per-step cost of
@@ -170,22 +174,29 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
     out = {"label": "projection (not a measurement)", "basis": basis, "target_layers": target_layers,
            "target_tp": target_tp, "layers": {}, "tp": {}}
     series: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
+    unprofiled: dict[tuple[int, str, int], list[int]] = {}  # gpu basis: results with a step time but no profile
     ar: dict[tuple[str, int], tuple[float, float, int]] = {}  # (mode, c) -> (us per call, calls per step, layers)
     for rec in records:
         for run in rec["runs"]:
             for r in run["results"]:
+                key = (rec["tp"], run["mode"], r["concurrency"])
                 if step := _step_value(r, basis):
-                    series.setdefault((rec["tp"], run["mode"], r["concurrency"]), []).append((rec["layers"], step))
+                    series.setdefault(key, []).append((rec["layers"], step))
+                elif r.get("step_ms"):
+                    unprofiled.setdefault(key, []).append(rec["layers"])
                 g = ((r.get("profile") or {}).get("groups") or {}).get("allreduce")
                 if rec["tp"] == 2 and g and g["calls_per_step"]:
                     ar[(run["mode"], r["concurrency"])] = (g["us_per_step"] / g["calls_per_step"],
                                                            g["calls_per_step"], rec["layers"])
     at_target: dict[tuple[int, str, int], float] = {}
-    for (tp, mode, c), pts in sorted(series.items()):
+    for (tp, mode, c) in sorted(series.keys() | unprofiled.keys()):
+        pts = series.get((tp, mode, c), [])
         entry = out["layers"].setdefault(f"tp{tp}", {}).setdefault(mode, {})
         layer_counts = sorted({x for x, _ in pts})
         if len(layer_counts) < 2:
-            entry[str(c)] = {"points": pts, "missing": "needs runs at two or more layer counts"}
+            left = unprofiled.get((tp, mode, c))
+            entry[str(c)] = {"points": pts, "missing": "needs runs at two or more layer counts" + (
+                f" (left out on the gpu basis, without a decode-only profile: layers {sorted(left)})" if left else "")}
             continue
         slope, intercept = fit_line(pts)
         step = slope * target_layers + intercept

@@ -3,6 +3,7 @@
 model, not by the code under test."""
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import os
@@ -243,8 +244,13 @@ def test_projection_on_gpu_time_ignores_host_noise(tmp_path, capsys):
     assert gpu["tp"]["graphs"]["64"]["step_ms"] == pytest.approx(_world_ms(78, 8))
     wall = bench.project(recs)
     assert wall["basis"] == "step" and wall["layers"]["tp1"]["graphs"]["1"]["ms_per_layer"] == pytest.approx(0.15)
-    # without profiles there is nothing to fit on the GPU basis
-    assert bench.project([_record(4, 1), _record(8, 1)], basis="gpu")["layers"] == {}
+    # results without a (decode-only) profile are left out on the GPU basis, and the entry says so
+    plain = bench.project([_record(4, 1), _record(8, 1)], basis="gpu")["layers"]["tp1"]["graphs"]["1"]["missing"]
+    assert "without a decode-only profile: layers [4, 8]" in plain
+    prefill = copy.deepcopy(recs[:2])
+    prefill[1]["runs"][0]["results"][0]["profile"]["decode_only"] = False
+    mixed = bench.project(prefill, basis="gpu")["layers"]["tp1"]["graphs"]
+    assert "layers [8]" in mixed["1"]["missing"] and mixed["64"]["ms_per_layer"] == pytest.approx(0.65)
     with pytest.raises(ValueError, match="basis"):
         bench.project(recs, basis="wall")
     files = []
