@@ -280,14 +280,15 @@ def _summary(results_dir: Path, name: str, data: dict) -> None:
     print(f"\n[{name}] {json.dumps(data, default=str)}")
 
 
-@pytest.mark.parametrize("config", ["eager-tp1", "eager-tp1-custom"])
+@pytest.mark.parametrize("config", ["eager-tp1", "eager-tp1-custom", "eager-tp2"])
 def test_eager_matches_reference(config, engines, prompts, results_dir, reference, ref_model):
     """Greedy tokens of vLLM eager equal the reference engine's; where they first differ each side's token is in
     the other's top-5 (vLLM's check_logprobs_close rule). A first difference at a step where the reference,
     teacher-forced on vLLM's tokens, has a router near-tie (top-k margin < ROUTER_TAU: bf16 router logits can
     choose another expert) is measured and reported instead: an unrelated random expert moves logits by a nat.
     Past index_topk the indexer keeps FP8 keys in vLLM; the same rules apply. ``eager-tp1-custom``: the same
-    with glm5serve's Triton MLA backend (``--attention-backend CUSTOM``)."""
+    with glm5serve's Triton MLA backend (``--attention-backend CUSTOM``); ``eager-tp2``: the same at TP=2 (two
+    GPUs), held to the independent reference rather than only to TP=1 (:func:`test_tp2_close_to_tp1`)."""
     run = vllm_run(engines, config)
     if CONFIGS[config][2]:
         assert CONFIGS[config][2] in run["backends"], f"vLLM did not use {CONFIGS[config][2]}: {run['backends']}"
