@@ -450,7 +450,7 @@ def format_record(rec: dict) -> str:
 
 def format_projection(proj: dict) -> str:
     """The projection as text, every line marked as a projection."""
-    what = {"step": "wall step time", "gpu": "rank 0's GPU kernel time per step, no host overhead: a lower bound"}
+    what = {"step": "wall step time", "gpu": "rank 0's GPU kernel time per step (no host overhead: usually below the wall step)"}
     lines = [f"PROJECTION (not a measurement) to {proj['target_layers']} layers and TP={proj['target_tp']}, "
              f"from {what[proj.get('basis', 'step')]}:"]
     for tp, modes in proj["layers"].items():
@@ -517,7 +517,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target-tp", type=int, default=8)
     p.add_argument("--basis", choices=("step", "gpu"), default="step",
                    help="project the wall step time (default) or the profiled GPU kernel time per step (--profile "
-                        "runs; leaves out host overhead and its noise: a lower bound)")
+                        "runs; leaves out host overhead and its noise)")
     p.set_defaults(func=_run)
 
 
