@@ -152,22 +152,26 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
     (``profile.gpu_us_per_step``), which leaves out the host's share of a step (scheduling, the multiprocess
     executor's broadcast to the TP workers) and so its run-to-run noise: two engines of the same 4-layer slice at
     TP=2 on an H200 took 3.46 and 2.58 ms per batch-1 step, with 1.320 ms of GPU time in both (issue 9); the
-    8-layer slice took 2.89 ms. The ``gpu`` projection therefore tends to lie below the wall step, though it is no
-    strict bound: kernels that overlap on two streams are both counted, and a TP rank's all-reduce kernels include
-    its wait for the other ranks. Results without a decode-only profile are left out on this basis, and an entry
-    that lacks points because of that says so.
+    8-layer slice took 2.89 ms. It is not a bound either way: where the host keeps up it is within a few % of the
+    wall step (above it at TP=1 on those slices: the profiler's own cost), and kernels that overlap on two streams
+    are both counted, and a TP rank's all-reduce kernels include its wait for the other ranks (TP=2 at c=64: 9.16
+    ms of GPU time in a 7.95 ms step). Use ``step`` where it projects; ``gpu`` where wall times are dominated by
+    host noise (TP >= 2 at small batches), read as the GPU part of the step. Results without a decode-only profile
+    are left out on this basis, and an entry that lacks points because of that says so.
 
     Layers: for each TP size, mode and concurrency, a least-squares line through (layers, step_ms) over the records'
     layer counts (>= 2 needed): the slope is the cost of one more MoE layer, the intercept the per-step cost of
     embedding, lm_head, sampling and the dense layers' difference; evaluated at ``target_layers``.
     TP: from the TP=1 and TP=2 projections ``t1``, ``t2`` at ``target_layers`` and the all-reduce time per call
-    ``r`` and calls per step ``n`` measured by a TP=2 profile of that mode and concurrency: the step time is split as
+    ``r`` (the mean over every TP=2 profile of that mode and concurrency) and calls per step ``n`` (the deepest
+    profiled TP=2 slice's, plus 2 per further layer): the step time is split as
     ``t = a + w / tp + n r`` (``w``: the part that divides by TP, weight reads above all; ``a``: the part that does
     not, kernel launch latency and replicated work), so ``w = 2 (t1 - t2 + n r)``, ``a = t1 - w``, and
     ``t(target_tp) = a + w / target_tp + n r``, assuming an all-reduce over ``target_tp`` GPUs costs what one over
     2 cost and ``n`` grows by 2 per layer. Returns a dict labelled ``"projection"``; entries that lack data say why.
-    Where the data give a negative per-layer time or a projected step time <= 0 (noise, or runs that do not belong
-    together) that entry is not projected and says why, like an entry that lacks data.
+    Where the data give a negative per-layer time, a negative ``a`` or ``w`` (TP=2 more than twice as fast as TP=1,
+    as the MoE is at 64+ tokens on an H200, or noise) or a projected step time <= 0, that entry is not projected and
+    says why, like an entry that lacks data. The result does not depend on the order of ``records``.
     """
     if basis not in ("step", "gpu"):
         raise ValueError(f"basis is 'step' or 'gpu', not {basis!r}")
@@ -175,7 +179,9 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
            "target_tp": target_tp, "layers": {}, "tp": {}}
     series: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
     unprofiled: dict[tuple[int, str, int], list[int]] = {}  # gpu basis: results with a step time but no profile
-    ar: dict[tuple[str, int], tuple[float, float, int]] = {}  # (mode, c) -> (us per call, calls per step, layers)
+    # (mode, c) -> [(us per call, calls per step, layers)] over every TP=2 profile, combined below independently of
+    # the order of the records
+    ar: dict[tuple[str, int], list[tuple[float, float, int]]] = {}
     for rec in records:
         for run in rec["runs"]:
             for r in run["results"]:
@@ -186,8 +192,8 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
                     unprofiled.setdefault(key, []).append(rec["layers"])
                 g = ((r.get("profile") or {}).get("groups") or {}).get("allreduce")
                 if rec["tp"] == 2 and g and g["calls_per_step"]:
-                    ar[(run["mode"], r["concurrency"])] = (g["us_per_step"] / g["calls_per_step"],
-                                                           g["calls_per_step"], rec["layers"])
+                    ar.setdefault((run["mode"], r["concurrency"]), []).append(
+                        (g["us_per_step"] / g["calls_per_step"], g["calls_per_step"], rec["layers"]))
     at_target: dict[tuple[int, str, int], float] = {}
     for (tp, mode, c) in sorted(series.keys() | unprofiled.keys()):
         pts = series.get((tp, mode, c), [])
@@ -207,29 +213,32 @@ def project(records: list[dict], target_layers: int = 78, target_tp: int = 8, ba
             continue
         at_target[(tp, mode, c)] = step
         entry[str(c)] = {"points": pts, "ms_per_layer": slope, "intercept_ms": intercept, **_speed(step, c)}
-    for (tp, mode, c), t1 in sorted(at_target.items()):
-        if tp != 1:
-            continue
+    for mode, c in sorted({(m, c) for (tp, m, c) in series.keys() | unprofiled.keys() if tp in (1, 2)}):
         entry = out["tp"].setdefault(mode, {})
-        t2 = at_target.get((2, mode, c))
-        if t2 is None or (mode, c) not in ar:
-            entry[str(c)] = {"missing": "needs TP=2 runs at two layer counts and a TP=2 profile (all-reduce cost)"}
+        t1, t2 = at_target.get((1, mode, c)), at_target.get((2, mode, c))
+        lacking = [f"TP={tp} at {target_layers} layers (see its line)" for tp, t in ((1, t1), (2, t2)) if t is None]
+        if (mode, c) not in ar:
+            lacking.append("a TP=2 profile (the all-reduce cost)")
+        if lacking:
+            entry[str(c)] = {"missing": "needs " + " and ".join(lacking)}
             continue
-        per_call_us, calls, layers = ar[(mode, c)]
-        n = calls + 2 * (target_layers - layers)
+        # the per-call cost averaged over the TP=2 profiles; the calls per step from the deepest slice's
+        deepest = max(x[2] for x in ar[(mode, c)])
+        per_call_us = statistics.fmean(x[0] for x in ar[(mode, c)])
+        n = statistics.fmean(x[1] for x in ar[(mode, c)] if x[2] == deepest) + 2 * (target_layers - deepest)
         r_ms = n * per_call_us / 1000
         w = 2 * (t1 - t2 + r_ms)
         a = t1 - w
         step = a + w / target_tp + r_ms
-        if step <= 0:
+        if a < 0 or w < 0 or step <= 0:
+            why = ("TP=2 is more than twice as fast as TP=1, which the split cannot represent" if a < 0 else
+                   "TP=2 is slower than TP=1 plus its all-reduces" if w < 0 else f"{step:.2f} ms at TP={target_tp}")
             entry[str(c)] = {"missing": f"not projected: TP=1 {t1:.2f} ms and TP=2 {t2:.2f} ms per step at "
-                             f"{target_layers} layers give {step:.2f} ms at TP={target_tp} (a {a:.2f} ms, "
-                             f"w {w:.2f} ms)"}
+                             f"{target_layers} layers give a {a:.2f} ms (not divided by TP) and w {w:.2f} ms "
+                             f"(divided): {why}"}
             continue
         entry[str(c)] = {"tp1_ms": t1, "tp2_ms": t2, "allreduce_us_per_call": per_call_us, "allreduce_calls": n,
                          "a_ms": a, "w_ms": w, **_speed(step, c)}
-        if a < 0 or w < 0:
-            entry[str(c)]["warning"] = "negative part: the TP=1/TP=2 difference is within measurement noise"
     return out
 
 
@@ -450,14 +459,15 @@ def format_record(rec: dict) -> str:
 
 def format_projection(proj: dict) -> str:
     """The projection as text, every line marked as a projection."""
-    what = {"step": "wall step time", "gpu": "rank 0's GPU kernel time per step (no host overhead: usually below the wall step)"}
+    what = {"step": "wall step time",
+            "gpu": "rank 0's GPU kernel time per step (no host overhead; not a bound on the wall step)"}
     lines = [f"PROJECTION (not a measurement) to {proj['target_layers']} layers and TP={proj['target_tp']}, "
              f"from {what[proj.get('basis', 'step')]}:"]
     for tp, modes in proj["layers"].items():
         for mode, cs in modes.items():
             for c, e in cs.items():
                 lines.append(f"  projection {tp} {mode} c={c}: " + (e["missing"] if "missing" in e else
-                             f"{e['ms_per_layer']:.3f} ms/layer + {e['intercept_ms']:.2f} ms -> "
+                             f"{e['ms_per_layer']:.3f} ms/layer {e['intercept_ms']:+.2f} ms -> "
                              f"{e['step_ms']:.2f} ms/step, {e['tok_s_per_request']:.1f} tok/s/req, "
                              f"{e['tok_s_total']:.0f} tok/s total"))
     for mode, cs in proj["tp"].items():
@@ -466,7 +476,7 @@ def format_projection(proj: dict) -> str:
                          f"{e['step_ms']:.2f} ms/step, {e['tok_s_per_request']:.1f} tok/s/req, "
                          f"{e['tok_s_total']:.0f} tok/s total (a {e['a_ms']:.2f} ms + w {e['w_ms']:.2f} ms / "
                          f"{proj['target_tp']} + {e['allreduce_calls']:.0f} all-reduces x "
-                         f"{e['allreduce_us_per_call']:.1f} µs)" + (f" [{e['warning']}]" if "warning" in e else "")))
+                         f"{e['allreduce_us_per_call']:.1f} µs)"))
     return "\n".join(lines)
 
 
@@ -513,8 +523,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", help="write the record (or the projection) here")
     p.add_argument("--projection", nargs="+", metavar="RESULT.json",
                    help="instead of running: project bench records to --target-layers at --target-tp")
-    p.add_argument("--target-layers", type=int, default=78)
-    p.add_argument("--target-tp", type=int, default=8)
+    p.add_argument("--target-layers", type=int, default=78, help="layers to project to (default 78: GLM-5)")
+    p.add_argument("--target-tp", type=int, default=8, help="TP size to project to (default 8)")
     p.add_argument("--basis", choices=("step", "gpu"), default="step",
                    help="project the wall step time (default) or the profiled GPU kernel time per step (--profile "
                         "runs; leaves out host overhead and its noise)")
@@ -552,11 +562,15 @@ def _read_record(path) -> dict:
             at = f"runs[{i}].results[{j}]"
             need(isinstance(r, dict), at, "an object")
             need(count(r.get("concurrency")), f"{at}.concurrency", "an integer >= 1")
-            need(r.get("step_ms") is None or number(r["step_ms"]), f"{at}.step_ms", "a finite number >= 0 or null")
+            need(r.get("step_ms") is None or (number(r["step_ms"]) and r["step_ms"] > 0), f"{at}.step_ms",
+                 "a finite number > 0 or null")
             profile = r.get("profile")
             need(profile is None or isinstance(profile, dict), f"{at}.profile", "an object or null")
             gpu = (profile or {}).get("gpu_us_per_step")
-            need(gpu is None or number(gpu), f"{at}.profile.gpu_us_per_step", "a finite number >= 0 or null")
+            need(gpu is None or (number(gpu) and gpu > 0), f"{at}.profile.gpu_us_per_step",
+                 "a finite number > 0 or null")
+            decode_only = (profile or {}).get("decode_only")
+            need(decode_only is None or isinstance(decode_only, bool), f"{at}.profile.decode_only", "true or false")
             groups = (profile or {}).get("groups")
             need(groups is None or isinstance(groups, dict), f"{at}.profile.groups", "an object")
             ar = (groups or {}).get("allreduce")
@@ -564,6 +578,35 @@ def _read_record(path) -> dict:
             for key in ("us_per_step", "calls_per_step") if ar is not None else ():
                 need(number(ar.get(key)), f"{at}.profile.groups.allreduce.{key}", "a finite number >= 0")
     return rec
+
+
+#: settings and model facts that every record of one projection must share (where both records state them)
+_SHARED = ("input_len", "output_len", "max_model_len", "graphs_mode", "load_format", "attention_backend", "kernels",
+           "hidden_size", "n_routed_experts", "vocab_size", "synthetic")
+
+
+def _check_together(paths: list, records: list[dict]) -> None:
+    """Refuse, in one line naming the file, a projection's records that do not belong together: a file listed twice
+    (it would count twice in the fits), records of another workload, model or GPU (a field of :data:`_SHARED` or a
+    run's ``gpu`` that differs from the first record stating it), or records without a single result."""
+    seen: dict[Path, str] = {}
+    for path in paths:
+        real = Path(path).resolve()
+        if real in seen:
+            raise GGUFModelError(f"listed twice (also as {seen[real]}): it would count twice in the fits",
+                                 file=str(path))
+        seen[real] = str(path)
+    first: dict[str, tuple] = {}
+    for path, rec in zip(paths, records):
+        facts = {k: rec[k] for k in _SHARED if k in rec}
+        facts |= {"gpu": run["gpu"] for run in rec["runs"] if run.get("gpu")}
+        for key, value in facts.items():
+            other, where = first.setdefault(key, (value, path))
+            if value != other:
+                raise GGUFModelError(f"{key} {value!r} differs from {other!r} in {where}: records of another "
+                                     "workload, model or GPU do not belong in one projection", file=str(path))
+    if not any(r.get("step_ms") for rec in records for run in rec["runs"] for r in run["results"]):
+        raise GGUFModelError("no step time in any of the records: nothing to project", file=str(paths[0]))
 
 
 def _check_runnable(args) -> None:
@@ -587,6 +630,7 @@ def _run(args) -> int:
         if args.target_layers < 1 or args.target_tp < 1:
             raise GGUFModelError("--target-layers and --target-tp must be >= 1")
         records = [_read_record(f) for f in args.projection]
+        _check_together(args.projection, records)
         out = project(records, args.target_layers, args.target_tp, args.basis)
         print(format_projection(out))
     else:
