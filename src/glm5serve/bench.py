@@ -524,7 +524,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--projection", nargs="+", metavar="RESULT.json",
                    help="instead of running: project bench records to --target-layers at --target-tp")
     p.add_argument("--target-layers", type=int, default=78, help="layers to project to (default 78: GLM-5)")
-    p.add_argument("--target-tp", type=int, default=8, help="TP size to project to (default 8)")
+    p.add_argument("--target-tp", type=int, default=8, help="TP size to project to, >= 3 (default 8)")
     p.add_argument("--basis", choices=("step", "gpu"), default="step",
                    help="project the wall step time (default) or the profiled GPU kernel time per step (--profile "
                         "runs; leaves out host overhead and its noise)")
@@ -627,8 +627,11 @@ def _write_json(path, rec: dict) -> None:
 
 def _run(args) -> int:
     if args.projection:
-        if args.target_layers < 1 or args.target_tp < 1:
-            raise GGUFModelError("--target-layers and --target-tp must be >= 1")
+        if args.target_layers < 1:
+            raise GGUFModelError("--target-layers must be >= 1")
+        if args.target_tp < 3:  # TP=1 and TP=2 are what the projection is made from: their lines are printed anyway
+            raise GGUFModelError(f"--target-tp must be >= 3 (TP=1 and TP=2 are measured, not projected), "
+                                 f"not {args.target_tp}")
         records = [_read_record(f) for f in args.projection]
         _check_together(args.projection, records)
         out = project(records, args.target_layers, args.target_tp, args.basis)

@@ -481,9 +481,10 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
 
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"tp": 1, "layers": 4, "runs": []}))
-    for bad in (["--target-tp", "0"], ["--target-layers", "-5"]):
+    for bad, why in ((["--target-tp", "0"], "--target-tp must be >= 3"), (["--target-tp", "2"], "measured, not"),
+                     (["--target-layers", "-5"], "--target-layers must be >= 1")):
         assert main(["bench", "--projection", str(f), *bad]) == 2
-        assert "must be >= 1" in capsys.readouterr().err
+        assert why in capsys.readouterr().err
     assert main(["bench", str(tiny_checkpoint)]) == 2  # no GPU here
     assert "CUDA GPU" in capsys.readouterr().err
     header = write_header(tmp_path / "h.gguf", "tiny")
