@@ -1,6 +1,6 @@
 """Launch configs of the GGUF kernels (``pick_config``): the measured tables shipped in ``kernels/tuned/`` are
-well-formed and win over the heuristic for their shapes, and L2 prefetch (inline PTX) is never chosen for the
-Triton interpreter."""
+well-formed and win over the heuristic for their shapes, L2 prefetch (inline PTX) is never chosen for the
+Triton interpreter, and the weight views handed to the kernels are aligned for their vector loads."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +20,8 @@ from glm5serve.kernels.gguf_gemv import (
     Q8_MIN_BYTES_M1,
     SUPPORTED_QTYPES,
     TUNED_DIR,
+    _as_words,
+    _WORD_TYPES,
     tuned_configs,
 )
 
@@ -128,3 +130,18 @@ def test_moe_path_by_batch():
                 limit = 128 if q8 and q13 == q2 == Q4_K else 16
                 assert [per_pair(q13, q2, t, q8) for t in (1, 16, 17, limit, limit + 1)] == [
                     True, True, limit > 16, True, False], (q13, q2, q8)
+
+
+@given(qtype=st.sampled_from(sorted(SUPPORTED_QTYPES)), rows=st.integers(1, 5), blocks=st.integers(1, 3),
+       pad=st.integers(0, 5), start=st.integers(0, 2))
+def test_kernel_view_of_a_weight_is_aligned_and_keeps_its_blocks(qtype, rows, blocks, pad, start):
+    """``_as_words`` on padded, row-sliced raw weights: the view's start and row stride are whole 4-byte words
+    (Q4_K/Q5_K, read as int32) or 2-byte pairs (the other types, read as uint16 in the kernels), so no load is
+    misaligned, and every row still holds its block bytes in order."""
+    row_bytes = BLOCK_SIZES[qtype][1] * blocks
+    raw = torch.randint(0, 256, (rows + start, row_bytes + pad), dtype=torch.uint8)
+    w = _as_words(raw[start:], qtype)
+    unit = 4 if qtype in _WORD_TYPES else 2
+    assert w.data_ptr() % unit == 0 and all(s * w.element_size() % unit == 0 for s in w.stride()[:-1])
+    assert torch.equal(w.view(torch.uint8)[:, :row_bytes] if unit == 4 else w[:, :row_bytes],
+                       raw[start:, :row_bytes])

@@ -641,15 +641,16 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim:
 
 
 def _as_words(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_K/Q5_K are read as int32 words (16-byte vector loads); other types byte by byte.  Their blocks (144 and
-    176 bytes) are whole words, so trailing row padding is cut to whole words (copied where the view is not
-    word-aligned)."""
-    if qtype not in _WORD_TYPES:
-        return qweight
-    qweight = qweight[..., :qweight.shape[-1] // 4 * 4]
-    if qweight.storage_offset() % 4 or any(s % 4 for s in qweight.stride()[:-1]):
-        qweight = qweight.contiguous()
-    return qweight.view(torch.int32)
+    """The weight as the decoders read it: Q4_K/Q5_K as int32 words (16-byte vector loads), the other types as the
+    uint8 tensor whose blocks (18, 22, 34, 210 bytes) they read as uint16 pairs.  Blocks are whole units (4 or 2
+    bytes), so trailing row padding is cut to whole units, and a view whose start or row stride is not a whole
+    unit (odd padding) is copied: a misaligned vector load is a CUDA fault."""
+    unit = 4 if qtype in _WORD_TYPES else 2
+    qweight = qweight[..., :qweight.shape[-1] // unit * unit]
+    if qweight.data_ptr() % unit or any(s % unit for s in qweight.stride()[:-1]):
+        # not .contiguous(): it keeps the odd stride of a size-1 dimension, which torch's view then refuses
+        qweight = torch.empty_like(qweight, memory_format=torch.contiguous_format).copy_(qweight)
+    return qweight.view(torch.int32) if unit == 4 else qweight
 
 
 def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = None,
