@@ -100,12 +100,13 @@ else:
         eps = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
         _check(gguf_linear(x, w, qtype, 17), ref, bound, rel_out=eps, rel_sum=eps, what="dot")
 
-    @pytest.mark.parametrize("pad", (16, 2))
-    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q5_0), ids=lambda q: q.name)
+    @pytest.mark.parametrize("pad", (16, 2, 1))
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0), ids=lambda q: q.name)
     def test_gemv_padded_sliced_weight_and_m_tiles(qtype, pad):
         """Rows with trailing padding bytes (the plugin's merged weights; 2 bytes leave Q4_K rows that are not
-        whole int32 words), a row slice (storage offset), and M = 7 on the FMA path (two M tiles of 4) and, for Q4_K,
-        on the int8-activation path."""
+        whole int32 words, 1 byte leaves rows of the other types that are not whole uint16 pairs), a row slice
+        (storage offset), and M = 7 on the FMA path (two M tiles of 4) and, for Q4_K, on the int8-activation
+        path."""
         x, w, ref, bound = _case(qtype, M=7, N=12, K=_k(qtype, 2), seed=30 + int(qtype), pad=pad)
         sliced = w[3:11]
         y = gguf_linear(x, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, use_dot=False))
