@@ -133,15 +133,18 @@ def test_moe_path_by_batch():
 
 
 @given(qtype=st.sampled_from(sorted(SUPPORTED_QTYPES)), rows=st.integers(1, 5), blocks=st.integers(1, 3),
-       pad=st.integers(0, 5), start=st.integers(0, 2))
-def test_kernel_view_of_a_weight_is_aligned_and_keeps_its_blocks(qtype, rows, blocks, pad, start):
-    """``_as_words`` on padded, row-sliced raw weights: the view's start and row stride are whole 4-byte words
-    (Q4_K/Q5_K, read as int32) or 2-byte pairs (the other types, read as uint16 in the kernels), so no load is
-    misaligned, and every row still holds its block bytes in order."""
+       pad=st.integers(0, 5), start=st.integers(0, 2), experts=st.integers(0, 3))
+def test_kernel_view_of_a_weight_is_aligned_and_keeps_its_blocks(qtype, rows, blocks, pad, start, experts):
+    """``_as_words`` on padded, row-sliced raw weights, 2-D or (``experts`` > 0) 3-D expert stacks sliced from the
+    second expert on: the view's start and strides are whole 4-byte words (Q4_K/Q5_K, read as int32) or 2-byte
+    pairs (the other types, read as uint16 in the kernels), so no load is misaligned, and every row still holds
+    its block bytes in order.  (Triton's interpreter does not fault on misaligned loads, so this is the check.)"""
     row_bytes = BLOCK_SIZES[qtype][1] * blocks
-    raw = torch.randint(0, 256, (rows + start, row_bytes + pad), dtype=torch.uint8)
-    w = _as_words(raw[start:], qtype)
+    lead = (experts + 1,) if experts else ()
+    raw = torch.randint(0, 256, (*lead, rows + start, row_bytes + pad), dtype=torch.uint8)
+    src = raw[1:, start:] if experts else raw[start:]
+    w = _as_words(src, qtype)
     unit = 4 if qtype in _WORD_TYPES else 2
     assert w.data_ptr() % unit == 0 and all(s * w.element_size() % unit == 0 for s in w.stride()[:-1])
-    assert torch.equal(w.view(torch.uint8)[:, :row_bytes] if unit == 4 else w[:, :row_bytes],
-                       raw[start:, :row_bytes])
+    assert torch.equal(w.view(torch.uint8)[..., :row_bytes] if unit == 4 else w[..., :row_bytes],
+                       src[..., :row_bytes])
