@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 from glm5serve.kernels.gguf_moe import per_pair
-from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, Q8_TYPES, _device_info
+from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _q8_applies
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
@@ -120,7 +120,7 @@ def _takes_q8(qtype, M, N, K, dtype, cfg) -> bool:
             return False
         cfg = pick_config(qtype, M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, dtype,
                           _device_info(torch.device(DEV))[1])
-    return cfg.q8 and qtype in Q8_TYPES and dtype != torch.float32
+    return cfg.q8 and _q8_applies(qtype, K // BLOCK_SIZES[int(qtype)][0]) and dtype != torch.float32
 
 
 GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 slices
@@ -132,7 +132,7 @@ GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 
 
 @pytest.mark.parametrize("M", (1, 3, 4, 8, 16))
 @pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
 def test_gemv_glm5_shapes_production_config(qtype, shape, M):
     """The launch parameters pick_config chooses on this GPU, on every GLM-5 shape of the benchmark (weights made
     and dequantized on the GPU with glm5serve.dequant, which is bit-exact with gguf-py, to keep this fast)."""
@@ -262,15 +262,17 @@ def test_l2_prefetch_changes_no_bit(qtype, M):
 
 
 @pytest.mark.parametrize("M", (1, 3, 8))
-def test_q8_dp4a_equals_its_emulation(M):
-    """The int8-activation Q4_K GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter's) give the
-    same integers, hence bit-identical outputs, on the GPU; with split-K, a partial row tile, and one or several
-    activation rows per program."""
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda q: q.name)
+def test_q8_dp4a_equals_its_emulation(qtype, M):
+    """The int8-activation GEMV's dp4a and PRMT (PTX) and their shift-and-multiply emulation (the interpreter's)
+    give the same integers, hence bit-identical outputs, on the GPU; with split-K, a partial row tile, and one or
+    several activation rows per program."""
     from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-    x, w, _, _ = _linear_case(Q.Q4_K, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
-    for kw in (dict(), dict(block_n=32, kbs=4, split_k=2), dict(block_m=1, split_k=3), dict(block_m=2)):
-        assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 301, **kw), gguf_linear_q8(x, w, Q.Q4_K, 301, dp4a=False, **kw))
+    x, w, _, _ = _linear_case(qtype, M, 301, 8 * 256, torch.bfloat16, seed=90 + M)
+    for kw in (dict(), dict(block_n=32, kbs=4, split_k=2), dict(block_m=1, split_k=3), dict(block_m=2),
+               dict(block_n=64, kbs=2, split_k=2)):
+        assert torch.equal(gguf_linear_q8(x, w, qtype, 301, **kw), gguf_linear_q8(x, w, qtype, 301, dp4a=False, **kw))
 
 
 @pytest.mark.parametrize("T", (3, 40))

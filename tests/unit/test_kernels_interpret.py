@@ -105,18 +105,18 @@ else:
     def test_gemv_padded_sliced_weight_and_m_tiles(qtype, pad):
         """Rows with trailing padding bytes (the plugin's merged weights; 2 bytes leave Q4_K rows that are not
         whole int32 words, 1 byte leaves rows of the other types that are not whole uint16 pairs), a row slice
-        (storage offset), and M = 7 on the FMA path (two M tiles of 4) and, for Q4_K, on the int8-activation
-        path."""
+        (storage offset), and M = 7 on the FMA path (two M tiles of 4) and, for Q4_K and Q6_K (whose int32 view of
+        rows padded by 1 or 2 bytes is a copy), on the int8-activation path."""
         x, w, ref, bound = _case(qtype, M=7, N=12, K=_k(qtype, 2), seed=30 + int(qtype), pad=pad)
         sliced = w[3:11]
         y = gguf_linear(x, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, use_dot=False))
         _check(y, ref[:, 3:11], bound[:, 3:11], what="sliced")
-        if qtype == Q.Q4_K:
+        if qtype in (Q.Q4_K, Q.Q6_K):
             from glm5serve.kernels.testing import q8_activation_bound
 
             xb, rows = x.to(torch.bfloat16), sliced[:, :sliced.shape[1] - pad]
             ref8, bound8 = reference_linear(xb.float(), dequant(rows.numpy(), qtype))
-            y8 = gguf_linear(xb, sliced, qtype, 8, GemvConfig(block_n=4, kbs=1, split_k=2, q8=True))
+            y8 = gguf_linear(xb, sliced, qtype, 8, GemvConfig(block_n=4, kbs=2, split_k=2, q8=True))
             err = (y8.double() - ref8).abs()
             assert (err <= q8_activation_bound(xb, rows, qtype) + 2.0 ** -7 * ref8.abs() + FP32_EPS * bound8).all()
 
@@ -255,6 +255,9 @@ else:
         x = torch.from_numpy(rng.standard_normal((3, 320)).astype(np.float32))
         x[1, 32:64] = 0
         xq, xd, xs = quantize_activations(x.to(torch.bfloat16))
+        xq2, xd2, xs2, xi = quantize_activations(x.to(torch.bfloat16), sums16=True)
+        assert torch.equal(xq2, xq) and torch.equal(xd2, xd) and torch.equal(xs2, xs)
+        assert xi.dtype == torch.int32 and torch.equal(xi, xq.view(3, 20, 16).sum(-1, dtype=torch.int32))
         xb = x.to(torch.bfloat16).double().view(3, 10, 32)
         q = xq.double().view(3, 10, 32)
         assert xq.dtype == torch.int8 and q.abs().max() <= 127
@@ -266,16 +269,20 @@ else:
     @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 3, {}), (3, 16, 2, dict(block_n=4, kbs=1, split_k=2)),
                                                 (2, 33, 5, dict(block_n=8, kbs=2, split_k=2)),
                                                 (5, 17, 2, dict(block_m=4, kbs=1, split_k=2)),
-                                                (3, 9, 1, dict(block_m=1))], ids=str)
-    def test_q8_path_within_its_rounding_bound(M, N, blocks, cfg):
-        """Q4_K x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding bound
-        (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps, split-K,
-        and one or several activation rows per program (a partial last one); the error must also be far above zero
-        (the activations really are rounded).  ``GemvConfig(q8=True)`` through gguf_linear is the same call."""
+                                                (3, 9, 1, dict(block_m=1)),
+                                                (4, 70, 3, dict(block_n=64, kbs=4, split_k=2))], ids=str)
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda q: q.name)
+    def test_q8_path_within_its_rounding_bound(qtype, M, N, blocks, cfg):
+        """Q4_K / Q5_K / Q6_K x int8 activation blocks (dp4a emulated): |y - x @ W.T| <= the activation-rounding
+        bound (``q8_activation_bound``) + output rounding + fp32 sums, with partial row tiles, partial K steps,
+        split-K, and one or several activation rows per program (a partial last one); the error must also be far
+        above zero (the activations really are rounded).  Q6_K reads blocks in pairs: twice the blocks, an even
+        kbs.  ``GemvConfig(q8=True)`` through gguf_linear is the same call."""
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
-        from glm5serve.kernels.testing import q8_activation_bound
+        from glm5serve.kernels.testing import _q8_part, q8_activation_bound
 
-        qtype = Q.Q4_K
+        if qtype == Q.Q6_K:
+            blocks, cfg = 2 * blocks, {**cfg, "kbs": max(2, cfg.get("kbs", 2))}
         x, w, ref, bound = _case(qtype, M=M, N=N, K=_k(qtype, blocks), seed=80 + N, dtype=torch.bfloat16)
         y = gguf_linear_q8(x, w, qtype, N, **cfg)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
@@ -289,11 +296,9 @@ else:
         xq, xd, _ = quantize_activations(x)
         xr = (xq.double().view(M, -1, 32) * xd.double()[..., None]).view(M, -1)
         W = dequant(w, qtype)
-        w0 = w.clone().view(N, -1, 144)  # codes zeroed: the min term, which meets the exact activations
-        w0[:, :, 16:] = 0
-        W0 = dequant(w0.view(N, -1), qtype)
-        sem = xr @ (W - W0).T + x.double() @ W0.T
-        scale = xr.abs() @ (W - W0).abs().T + x.double().abs() @ W0.abs().T
+        S = _q8_part(w, qtype)  # the part that meets rounded activations (Q4_K/Q5_K: all but the min term)
+        sem = xr @ S.T + x.double() @ (W - S).T
+        scale = xr.abs() @ S.abs().T + x.double().abs() @ (W - S).abs().T
         assert ((y.double() - sem).abs() <= 2.0 ** -7 * sem.abs() + FP32_EPS * scale).all()
         via = gguf_linear(x, w, qtype, N, GemvConfig(**{"block_n": 16, "kbs": 2, "split_k": 1, **cfg}, q8=True))
         assert torch.equal(via, y)
@@ -318,9 +323,9 @@ else:
 
     @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
     def test_q8_config_is_ignored_for_other_types(qtype):
-        """Q8_0 and Q6_K have no int8-activation kernel (removed: slower than their fp32 decode, see
-        ``gguf_gemv_q8``): ``GemvConfig(q8=True)`` runs the normal path, bit-identical to q8=False and within the
-        fp32-sum budget, far below what rounding the activations would cost."""
+        """Q8_0 has no int8-activation kernel (slower than its fp32 decode, see ``gguf_gemv_q8``) and Q6_K's reads
+        blocks in pairs (here 3 per row): ``GemvConfig(q8=True)`` runs the normal path, bit-identical to q8=False
+        and within the fp32-sum budget, far below what rounding the activations would cost."""
         x, w, ref, bound = _case(qtype, M=2, N=19, K=_k(qtype, 3), seed=85 + int(qtype), dtype=torch.bfloat16)
         cfg = GemvConfig(block_n=8, kbs=1, split_k=2)
         y = gguf_linear(x, w, qtype, 19, dataclasses.replace(cfg, q8=True))
@@ -330,9 +335,13 @@ else:
     def test_q8_path_types_and_shapes_are_checked():
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-        for qtype, row in ((Q.Q8_0, 34 * 8), (Q.Q6_K, 210), (Q.Q5_K, 176)):
-            with pytest.raises(ValueError, match=f"only Q4_K is supported, got {qtype.name}"):
+        for qtype, row in ((Q.Q8_0, 34 * 8), (Q.Q5_0, 22 * 8)):
+            with pytest.raises(ValueError, match=f"{qtype.name} has no int8-activation kernel"):
                 gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, row, dtype=torch.uint8), qtype, 4)
+        with pytest.raises(ValueError, match="K=256 must hold an even number of blocks"):
+            gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 210, dtype=torch.uint8), Q.Q6_K, 4)
+        with pytest.raises(ValueError, match="kbs=1 be even"):
+            gguf_linear_q8(torch.zeros(1, 512), torch.zeros(4, 420, dtype=torch.uint8), Q.Q6_K, 4, kbs=1)
         with pytest.raises(ValueError, match="does not hold 5 rows"):
             gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
 

@@ -25,9 +25,9 @@ bound by its instruction count before it reaches that bandwidth):
   same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
   fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
-Two later additions: for Q4_K at batches 1-8 (``GemvConfig.q8``, chosen by ``pick_config``) the activations are
-rounded to int8 blocks and the codes multiplied with ``dp4a`` (``gguf_gemv_q8``: ~2.9 instead of ~6.3 instructions
-per weight); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
+Two later additions: for Q4_K at batches 1-8 and Q5_K/Q6_K at batches 2-8 (``GemvConfig.q8``, chosen by
+``pick_config``) the activations are rounded to int8 blocks and the codes multiplied with ``dp4a``
+(``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
 (``GemvConfig.prefetch``).
 
 ``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
@@ -670,9 +670,22 @@ _DEQUANT_TILE = {**_FMA_TILE, Q6_K: (16, 4)}
 #: 22.9, down 21.3 / 22.6, q_b/8 at 12 rows 11.0 / 10.1), so batches past 8 stay on them.
 Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
-#: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others.  Q8_0 and
-#: Q6_K had one, slower than their fp32 decode on the H200 (session 7; numbers in ``gguf_gemv_q8``), so removed.
-Q8_TYPES = frozenset({Q4_K})
+#: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others, and for
+#: Q6_K rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K take it at batches 2..Q8_MAX_M,
+#: where their fp32 decode runs on the tensor cores.  H200, session 11, same run, microseconds, q8 at the tile below
+#: / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 / 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8
+#: 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 / 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8;
+#: down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 / 60.  At batch 1 their FMA-path
+#: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.2,
+#: a tuned entry).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
+Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
+#: (block_n, kbs, programs per SM aimed at) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.  Measured
+#: best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K: 64 rows per program read each
+#: activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32); at batch
+#: 8 fewer programs (gate/up 21.5 against 23.4 us).  Q5_K at 5..8 rows: kbs 4 takes a stack frame, kbs 2 none (gate/up
+#: 17.9 against 20.8 us, down 16.7 against 13.5).
+_Q8_TILE = {Q4_K: ((16, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: (None, (16, 4, 2), (16, 2, 2)),
+            Q6_K: (None, (64, 2, 8), (64, 2, 2))}
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
@@ -686,7 +699,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
     smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
     programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``)
-    for Q4_K at batches 2..Q8_MAX_M and at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for ``device_name``
+    for Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for ``device_name``
     "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     for m in sorted({key[1] for key in tuned if key[1] >= M}):
@@ -695,14 +708,17 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
             return cfg
     nb = K // BLOCK_SIZES[qtype][0]
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
-    if qtype == Q4_K and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
-            1 < M <= Q8_MAX_M or (M == 1 and weight_bytes >= Q8_MIN_BYTES_M1)):
-        kbs = min(4, _pow2_at_most(nb))
-        steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, 16)
-        per_sm = 8 if M == 1 else 2  # measured best (session 7): several rows per program need fewer programs
+    if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
+            1 < M <= Q8_MAX_M or (M == 1 and qtype == Q4_K and weight_bytes >= Q8_MIN_BYTES_M1)):
+        block_n, kbs, per_sm = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
+        kbs = min(kbs, _pow2_at_most(nb))
+        steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n)
         split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
         split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
-        return GemvConfig(block_n=16, kbs=kbs, split_k=split, num_warps=4, block_m=_pow2_at_least(M), q8=True)
+        # L2 prefetch as on the fp32 path, not for Q4_K (measured without) nor at 5..8 rows (Q6_K's tile then spills)
+        prefetch = int(qtype != Q4_K and M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
+        return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4, block_m=_pow2_at_least(M),
+                          prefetch=prefetch, q8=True)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))
@@ -717,6 +733,11 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         prefetch = 2 if use_dot else 1
     return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4 if block_m <= 32 else 8,
                       use_dot=use_dot, block_m=block_m if use_dot else 16, prefetch=prefetch)
+
+
+def _q8_applies(qtype: int, nb: int) -> bool:
+    """Whether the int8-activation kernel can take a ``qtype`` weight of ``nb`` blocks per row (Q6_K: in pairs)."""
+    return qtype in Q8_TYPES and (qtype != Q6_K or nb % 2 == 0)
 
 
 def supports(qtype: int, M: int, N: int, K: int) -> bool:
@@ -742,12 +763,13 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim:
     return K
 
 
-def _as_words(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+def _as_words(qweight: torch.Tensor, qtype: int, unit: int | None = None) -> torch.Tensor:
     """The weight as the decoders read it: Q4_K/Q5_K as int32 words (16-byte vector loads), the other types as the
     uint8 tensor whose blocks (18, 22, 34, 210 bytes) they read as uint16 pairs.  Blocks are whole units (4 or 2
     bytes), so trailing row padding is cut to whole units, and a view whose start or row stride is not a whole
-    unit (odd padding) is copied: a misaligned vector load is a CUDA fault."""
-    unit = 4 if qtype in _WORD_TYPES else 2
+    unit (odd padding) is copied: a misaligned vector load is a CUDA fault.  ``unit=4`` asks for int32 words of any
+    type (rows of an even number of Q8_0 / Q6_K blocks, ``gguf_gemv_q8``)."""
+    unit = unit or (4 if qtype in _WORD_TYPES else 2)
     qweight = qweight[..., :qweight.shape[-1] // unit * unit]
     if qweight.data_ptr() % unit or any(s % unit for s in qweight.stride()[:-1]):
         # not .contiguous(): it keeps the odd stride of a size-1 dimension, which torch's view then refuses
@@ -814,8 +836,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
         N: output features (rows of the weight used).
-        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q4_K with bf16/fp16 x and is
-            ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
+        config: launch parameters (default: ``pick_config``; ``q8`` applies to Q8_TYPES with bf16/fp16 x and
+            is ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
             default is no fused kernel: W is dequantized to x's dtype, DEQUANT_CHUNK_BYTES at a time, and
             multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:
@@ -839,10 +861,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
-    if config.q8 and qtype in Q8_TYPES and x.dtype != torch.float32:
+    if config.q8 and _q8_applies(qtype, nb) and x.dtype != torch.float32:
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-        return gguf_linear_q8(x, qweight, qtype, N, config.block_n, config.kbs, config.split_k, config.num_warps,
+        kbs = max(config.kbs, 2) if qtype == Q6_K else config.kbs  # Q6_K blocks are read in pairs
+        return gguf_linear_q8(x, qweight, qtype, N, config.block_n, kbs, config.split_k, config.num_warps,
                               config.prefetch, block_m=min(config.block_m, Q8_MAX_M, _pow2_at_least(M)))
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16

@@ -1,29 +1,35 @@
 """GGUF GEMV with the activations quantized to 8-bit blocks, as llama.cpp's CUDA backend does it (MMVQ:
-``quantize_q8_1`` then ``vec_dot_q4_K_q8_1``, ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's
-``ggml_mul_mat_vec_a8`` is the same), for Q4_K only; ``pick_config`` chooses it (measured on an H200, see
-``gguf_gemv``).  The per-pair MoE (``gguf_moe``) runs its Q4_K experts on the same one-row step
-(``quantize_activations``, ``_dot_q4_k_q8``).
+``quantize_q8_1`` then ``vec_dot_q4_K_q8_1`` / ``vec_dot_q5_K_q8_1`` / ``vec_dot_q6_K_q8_1``,
+ggml/src/ggml-cuda/quantize.cu and vecdotq.cuh; vllm-gguf-plugin's ``ggml_mul_mat_vec_a8`` is the same), for Q4_K,
+Q5_K and Q6_K; ``pick_config`` chooses it (measured on an H200, see ``gguf_gemv``).  The per-pair MoE
+(``gguf_moe``) runs its Q4_K experts on the same one-row step (``quantize_activations``, ``_dot_q4_k_q8``).
 
-Why: the fp32 decode of ``gguf_gemv`` spends ~6 SASS instructions per weight, which caps a batch-1 GEMV on an H200
-below half of its memory bandwidth.  Here the 4-bit codes stay packed: ``q & 0x0F0F0F0F`` is four codes as bytes,
-and one ``dp4a`` multiplies them with four int8 activations and adds the products (exact integer arithmetic), so
-the K loop costs ~3 SASS instructions per weight (2.9 measured for sm_90, ``tests/unit/test_kernels_compile.py``).
-The float work is per (row, 32-weight sub-block).  From batch 2 a program takes several activation rows
-(``block_m``, as MMVQ's ``ncols_y``) and unpacks each weight word once for all of them; a further row then costs
-~0.5 instructions per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200: expert
-gate/up 11.5 us at batch 4, 8.5 at batch 1, where a program per row took 22.8).
+Why: the fp32 decode of ``gguf_gemv`` spends ~6-11 SASS instructions per weight, which caps a batch-1 GEMV on an
+H200 below half of its memory bandwidth, and its tensor-core path for batches 2-16 pays a layout conversion per
+weight tile.  Here the codes stay packed: ``q & 0x0F0F0F0F`` is four Q4_K codes as bytes, and one ``dp4a``
+multiplies them with four int8 activations and adds the products (exact integer arithmetic), so the K loop costs
+~3 SASS instructions per weight (2.7 measured for sm_90, ``tests/unit/test_kernels_compile.py``).  The float work
+is per (row, 16- or 32-weight sub-block).  From batch 2 a program takes several activation rows (``block_m``, as
+MMVQ's ``ncols_y``) and unpacks each weight word once for all of them; a further row then costs ~0.5 instructions
+per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200: expert gate/up 11.5 us at
+batch 4, 8.5 at batch 1, where a program per row took 22.8).
 
-Q8_0 and Q6_K were tried (llama.cpp's ``vec_dot_q8_0_q8_1`` / ``vec_dot_q6_K_q8_1``; correct: dp4a == emulation on
-the GPU, within the rounding bound) and removed: slower than the fp32 decode on 35 of 36 (type, GLM-5 shape, batch
-1/2/4) cases.  H200, session 7, CUDA graphs, microseconds, int8 / fp32 decode / bf16 cuBLAS: Q8_0 lm_head/8 batch 1
-161.4 / 87.3 / 61.3, expert gate/up batch 4 65.4 / 18.5; Q6_K lm_head/8 batch 1 95.6 / 81.0 / 61.8.  Their 34- and
-210-byte blocks are only 2-byte aligned, so the codes had to be read as int16 pairs.
+Q5_K adds its fifth bit from qh to each code byte.  Q6_K's 210-byte blocks are only 2-byte aligned, so they are
+read in pairs (105 int32 words; rows of an even number of blocks): the second block's words are shifted into place
+with one PRMT each.  Its codes are unsigned (u = 0..63); the ``- 32`` of each weight enters as the starting value
+of each 16-weight dp4a chain, -32 times the integer sum of those 16 activation codes (``quantize_activations(...,
+sums16=True)``), so the integer result is llama.cpp's signed-code sum exactly.
+
+Q8_0 was tried with the same pairing (1.1 instructions per weight) and is not used: each thread read the 17 words
+of its own block pair, so a warp's loads touched a cache line per lane, and it ran 1.9-2.4x slower than the fp32
+decode (H200, session 11, same run: expert gate/up batch 1 21.9 against 11.7 us, lm_head/8 170 against 72).  An
+earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was slower too (session 7).
 
 Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
-/ 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code) and
-m_i = dmin * mn (min term); the min term is multiplied by the exact sum of its 32 activations (llama.cpp uses
-d_x * sum q_i), so only the scaled codes see the rounding, and one output's error is at most
-``sum_i |s_i| * d_x(i) / 2`` plus fp32 rounding (``kernels.testing.q8_activation_bound``).
+/ 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K/Q5_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code)
+and m_i = dmin * mn (min term); the min term is multiplied by the exact sum of its 32 activations (llama.cpp uses
+d_x * sum q_i), so only the scaled codes see the rounding; a Q6_K weight meets the rounded activations whole.  One
+output's error is at most ``sum_i |s_i| * d_x(i) / 2`` plus fp32 rounding (``kernels.testing.q8_activation_bound``).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ import triton.language as tl
 from glm5serve.kernels.gguf_gemv import (
     BLOCK_SIZES,
     Q4_K,
+    Q5_K,
+    Q6_K,
     _NAMES,
     _as_words,
     _f16_hi,
@@ -46,13 +54,17 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
+Q8_KERNEL_TYPES = frozenset({Q4_K, Q5_K, Q6_K})  # types with an int8-activation step
+_PAIRED = frozenset({Q6_K})  # 2-byte aligned blocks, read as int32 words two blocks at a time
 MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 do not) tied with the tensor cores
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, K, stride_xm, BLOCKS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOCKS: tl.constexpr,
+                       SUMS16: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
-    xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b]."""
+    xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b];
+    SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1]."""
     m = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     bmask = b < K // 32
@@ -60,10 +72,14 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, K, stride_xm, BLOCKS: tl.c
     x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = tl.floor(x * inv[:, None] + 0.5)  # |q| <= 127 (x * inv rounds to at most 127.00001)
-    tl.store(xq_ptr + m * K + cols, q.to(tl.int32).to(tl.int8), mask=bmask[:, None])
+    q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
+    tl.store(xq_ptr + m * K + cols, q.to(tl.int8), mask=bmask[:, None])
     tl.store(xd_ptr + m * (K // 32) + b, amax / 127.0, mask=bmask)
     tl.store(xs_ptr + m * (K // 32) + b, tl.sum(x, axis=1), mask=bmask)
+    if SUMS16:
+        halves = tl.sum(tl.reshape(q, (BLOCKS * 2, 16)), axis=1)
+        h = tl.program_id(1) * BLOCKS * 2 + tl.arange(0, BLOCKS * 2)
+        tl.store(xi_ptr + m * (K // 16) + h, halves, mask=h < K // 16)
 
 
 @triton.jit
@@ -80,24 +96,32 @@ def _dp4a(a, b, c, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_words(row_ptr, rmask, b0, nb, KBS: tl.constexpr):
-    """The words of KBS Q4_K super-blocks (36 int32 each) from b0 of BLOCK_N rows: with g < 4 KBS (super-block
-    kb = b0 + g // 4, qs chunk j = g % 4) and t < 8, header words h0..h3 [BLOCK_N, 4 KBS] (d|dmin, 12 scale bytes)
-    and qs words q [BLOCK_N, 4 KBS, 8] = word 8j + t of the 32 (``_step_q4_k_q8`` gives their layout)."""
+def _kquant_words(row_ptr, rmask, b0, nb, KBS: tl.constexpr, FIVE: tl.constexpr = False):
+    """The words of KBS Q4_K (36 int32 each) or, FIVE, Q5_K (44) super-blocks from b0 of BLOCK_N rows: with g < 4 KBS
+    (super-block kb = b0 + g // 4, qs chunk j = g % 4) and t < 8, header words h0..h3 [BLOCK_N, 4 KBS] (d|dmin, 12
+    scale bytes) and qs words q [BLOCK_N, 4 KBS, 8] = word 8j + t of the 32 (``_step_q4_k_q8`` gives their layout);
+    for Q5_K also qh = qh word t >> 2j, whose bits 8b and 8b + 1 are the fifth bits of the codes in byte b of q
+    (low and high nibble), else qh = q."""
+    WORDS: tl.constexpr = 44 if FIVE else 36
+    QS: tl.constexpr = 12 if FIVE else 4
     g = tl.arange(0, 4 * KBS)
     t = tl.arange(0, 8)
     kb = b0 + g // 4
     j = g % 4
     bmask = kb < nb
     wmask = rmask[:, None] & bmask[None, :]
-    blk = row_ptr[:, None] + kb[None, :] * 36
+    blk = row_ptr[:, None] + kb[None, :] * WORDS
     h0 = tl.load(blk, mask=wmask, other=0)
     h1 = tl.load(blk + 1, mask=wmask, other=0)
     h2 = tl.load(blk + 2, mask=wmask, other=0)
     h3 = tl.load(blk + 3, mask=wmask, other=0)
-    q = tl.load(blk[:, :, None] + 4 + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
+    q = tl.load(blk[:, :, None] + QS + (j * 8)[None, :, None] + t[None, None, :], mask=wmask[:, :, None], other=0,
                 eviction_policy="evict_first")
-    return kb, j, t, bmask, h0, h1, h2, h3, q
+    qh = q
+    if FIVE:
+        qh = tl.load(blk[:, :, None] + 4 + t[None, None, :], mask=wmask[:, :, None], other=0,
+                     eviction_policy="evict_first") >> (2 * j)[None, :, None]
+    return kb, j, t, bmask, h0, h1, h2, h3, q, qh
 
 
 @triton.jit
@@ -108,7 +132,7 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
     nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
     activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
     """
-    kb, j, t, bmask, h0, h1, h2, h3, q = _q4_k_words(row_ptr, rmask, b0, nb, KBS)
+    kb, j, t, bmask, h0, h1, h2, h3, q, _ = _kquant_words(row_ptr, rmask, b0, nb, KBS)
     xo = (kb * 64 + j * 16)[:, None] + t[None, :]
     xlo = tl.broadcast_to(tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)[None, :, :], q.shape)
     xhi = tl.broadcast_to(tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)[None, :, :], q.shape)
@@ -157,26 +181,33 @@ def _split8(v, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _step_q4_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS: tl.constexpr,
-                       EMULATE: tl.constexpr):
-    """``_step_q4_k_q8`` for BLOCK_M activation rows ``mrow`` at once; acc: [BLOCK_M, BLOCK_N, 4 KBS] fp32.  Each
-    weight word is loaded and unpacked once for all rows; per row it costs two dp4a, chained over the 8 words of a
-    sub-block (llama.cpp's MMVQ handles several columns of x the same way, ``ncols_y``).  Integer sums are exact,
-    so per output this is the one-row step's arithmetic up to the order of the final fp32 sum over sub-blocks."""
-    kb, j, t, bmask, h0, h1, h2, h3, q = _q4_k_words(row_ptr, rmask, b0, nb, KBS)
+def _step_kquant_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS: tl.constexpr,
+                         FIVE: tl.constexpr, EMULATE: tl.constexpr):
+    """``_step_q4_k_q8`` for BLOCK_M activation rows ``mrow`` at once (FIVE: Q5_K, whose fifth code bit from qh
+    goes to bit 4 of each code byte); acc: [BLOCK_M, BLOCK_N, 4 KBS] fp32.  Each weight word is loaded and unpacked
+    once for all rows; per row it costs two dp4a, chained over the 8 words of a sub-block (llama.cpp's MMVQ handles
+    several columns of x the same way, ``ncols_y``).  Integer sums are exact, so per output this is the one-row
+    step's arithmetic up to the order of the final fp32 sum over sub-blocks."""
+    kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, nb, KBS, FIVE)
     BM: tl.constexpr = mrow.shape[0]
     BN: tl.constexpr = q.shape[0]
     G: tl.constexpr = q.shape[1]
     xo = (mrow * nb * 64)[:, None, None] + ((kb * 64 + j * 16)[:, None] + t[None, :])[None, :, :]
     xmask = mmask[:, None, None] & bmask[None, :, None]
     qw = _split8(q, BN, G)
+    hw = _split8(qh, BN, G)
     xl = _split8(tl.load(xw_ptr + xo, mask=xmask, other=0), BM, G)
     xh = _split8(tl.load(xw_ptr + xo + 8, mask=xmask, other=0), BM, G)
     dlo = tl.zeros((BM, BN, G), dtype=tl.int32)
     dhi = tl.zeros((BM, BN, G), dtype=tl.int32)
     for i in tl.static_range(8):
-        lo = tl.broadcast_to((qw[i] & 0x0F0F0F0F)[None, :, :], (BM, BN, G))
-        hi = tl.broadcast_to(((qw[i] >> 4) & 0x0F0F0F0F)[None, :, :], (BM, BN, G))
+        clo = qw[i] & 0x0F0F0F0F
+        chi = (qw[i] >> 4) & 0x0F0F0F0F
+        if FIVE:
+            clo = clo | ((hw[i] << 4) & 0x10101010)
+            chi = chi | ((hw[i] << 3) & 0x10101010)
+        lo = tl.broadcast_to(clo[None, :, :], (BM, BN, G))
+        hi = tl.broadcast_to(chi[None, :, :], (BM, BN, G))
         dlo = _dp4a(lo, tl.broadcast_to(xl[i][:, None, :], (BM, BN, G)), dlo, EMULATE)
         dhi = _dp4a(hi, tl.broadcast_to(xh[i][:, None, :], (BM, BN, G)), dhi, EMULATE)
     sb = (mrow * nb * 8)[:, None] + (kb * 8 + 2 * j)[None, :]  # [BM, G]: sub-block 2j of each row
@@ -193,54 +224,182 @@ def _step_q4_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow
 
 
 @triton.jit
-def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
-                    stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
-                    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+def _word_at2(a, b, EMULATE: tl.constexpr):
+    """The int32 word that starts 2 bytes into word a (bytes 2, 3 of a, then 0, 1 of b): one PRMT."""
+    if EMULATE:
+        return ((a >> 16) & 0xFFFF) | (b << 16)
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5432;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _words4(ptr, MIS: tl.constexpr, EMULATE: tl.constexpr):
+    """Four consecutive int32 words from ``ptr`` (int32 pointers, in bounds: no mask), or with MIS from 2 bytes past
+    it (read as five aligned words and shifted together)."""
+    w0 = tl.load(ptr)
+    w1 = tl.load(ptr + 1)
+    w2 = tl.load(ptr + 2)
+    w3 = tl.load(ptr + 3)
+    if MIS:
+        w4 = tl.load(ptr + 4)
+        return (_word_at2(w0, w1, EMULATE), _word_at2(w1, w2, EMULATE), _word_at2(w2, w3, EMULATE),
+                _word_at2(w3, w4, EMULATE))
+    else:
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _dp4a_rows(w, xw_ptr, xo, xmask, acc, EMULATE: tl.constexpr):
+    """acc [BM, BN, G] + dp4a of the code words w [BN, G] with the activation words at xw_ptr + xo ([BM, 1, G])."""
+    shape: tl.constexpr = acc.shape
+    return _dp4a(tl.broadcast_to(w[None, :, :], shape),
+                 tl.broadcast_to(tl.load(xw_ptr + xo, mask=xmask, other=0), shape), acc, EMULATE)
+
+
+@triton.jit
+def _q6_k_word_q8(ql, qh, xw_ptr, xo, xmask, dot0, dot1, EMULATE: tl.constexpr):
+    """Code words of sub-blocks c2 (low nibbles, qh bits 0-1 of each byte) and c2 + 2 (high nibbles, qh bits 4-5)
+    dotted into their chains; qh already shifted right by 2 c2."""
+    code0 = (ql & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+    code1 = ((ql >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+    return (_dp4a_rows(code0, xw_ptr, xo, xmask, dot0, EMULATE),
+            _dp4a_rows(code1, xw_ptr, xo + 16, xmask, dot1, EMULATE))
+
+
+@triton.jit
+def _q6_k_block_q8(acc, pw, h, c2, s, xw_ptr, xd_ptr, xi_ptr, xo, so, do, xmask, MIS: tl.constexpr,
+                   EMULATE: tl.constexpr):
+    """One Q6_K block of a pair (``_step_q6_k_q8_rows``): pw its int32 word pointers ([BN, G]; the block starts MIS
+    (0 or 2) bytes into the word at pw), h, c2, s its groups' indices ([1, G]), xo / so / do
+    ([BM, 1, G]) its activation word, 16-value code sum and activation block offsets."""
+    shape: tl.constexpr = acc.shape
+    dot0 = tl.broadcast_to(-32 * tl.load(xi_ptr + so, mask=xmask, other=0), shape)  # sub-block c = c2
+    dot1 = tl.broadcast_to(-32 * tl.load(xi_ptr + so + 4, mask=xmask, other=0), shape)  # c = c2 + 2
+    ql0, ql1, ql2, ql3 = _words4(pw + (16 * h + 8 * c2 + 4 * s), MIS, EMULATE)
+    qh0, qh1, qh2, qh3 = _words4(pw + (32 + 8 * h + 4 * s), MIS, EMULATE)
+    sh = 2 * c2
+    dot0, dot1 = _q6_k_word_q8(ql0, qh0 >> sh, xw_ptr, xo, xmask, dot0, dot1, EMULATE)
+    dot0, dot1 = _q6_k_word_q8(ql1, qh1 >> sh, xw_ptr, xo + 1, xmask, dot0, dot1, EMULATE)
+    dot0, dot1 = _q6_k_word_q8(ql2, qh2 >> sh, xw_ptr, xo + 2, xmask, dot0, dot1, EMULATE)
+    dot0, dot1 = _q6_k_word_q8(ql3, qh3 >> sh, xw_ptr, xo + 3, xmask, dot0, dot1, EMULATE)
+    # d: bytes 208-209, the low (MIS: high) half of word 52; int8 scales[8h + 2c + s]: word 48 + 2h (+ 1 for
+    # c2 + 2), byte 2 c2 + s (MIS: 2 bytes further, the next word for 2 c2 + s >= 2)
+    dw = tl.load(pw + 52)
+    if MIS:
+        d = _f16_hi(dw)
+    else:
+        d = _f16_lo(dw)
+    sb = 2 * c2 + s + MIS
+    scw = pw + 48 + 2 * h + sb // 4
+    byte = 24 - 8 * (sb % 4)
+    a0 = d * ((tl.load(scw) << byte) >> 24).to(tl.float32)
+    a1 = d * ((tl.load(scw + 1) << byte) >> 24).to(tl.float32)
+    dx0 = tl.load(xd_ptr + do, mask=xmask, other=0.0)
+    dx1 = tl.load(xd_ptr + do + 2, mask=xmask, other=0.0)
+    return acc + a0[None, :, :] * dx0 * dot0.to(tl.float32) + a1[None, :, :] * dx1 * dot1.to(tl.float32)
+
+
+@triton.jit
+def _step_q6_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """KBS Q6_K super-blocks (210 bytes, layout in ``gguf_gemv._step_q6_k``) of BLOCK_N rows against BLOCK_M rows of
+    int8 activations; acc: [BLOCK_M, BLOCK_N, 4 KBS] fp32.  ``row_ptr``: int32 word pointers; b0 and nb even.
+
+    Blocks are taken in pairs (105 words): the first is word aligned, the second starts 2 bytes into word 52, so
+    its words are formed with one PRMT each (``_words4``).  Group g = (pair, h, c2, s) holds, in each block, the
+    elements 128h + 32c + 16s + i (i < 16) of sub-blocks c = c2 and c2 + 2, which share their ql bytes (low and high
+    nibble) and qh bytes (bits 2c): code word t (i = 4t..4t+3) is ``ql & 0x0F0F0F0F | qh << 4 & 0x30303030`` with
+    qh shifted by 2 c2, the unsigned 6-bit codes u.  The weight is d * scale * (u - 32): each chain of 4 dp4a starts
+    at -32 times the sum of its 16 activation codes (``xi_ptr``, ``quantize_activations(..., sums16=True)``), so
+    the integer sum is exactly sum (u - 32) q_x, as llama.cpp's ``vec_dot_q6_K_q8_1`` computes it."""
+    G: tl.constexpr = 4 * KBS
+    g = tl.arange(0, G)
+    pair = b0 // 2 + g // 8
+    h = ((g // 4) % 2)[None, :]
+    c2 = ((g // 2) % 2)[None, :]
+    s = (g % 2)[None, :]
+    bmask = 2 * pair < nb
+    pw = row_ptr[:, None] + tl.minimum(pair, nb // 2 - 1)[None, :].to(tl.int64) * 105  # clamped (``_gemv_q8_kernel``)
+    xmask = mmask[:, None, None] & bmask[None, None, :]
+    kb = 2 * pair[None, None, :]
+    xo = (mrow * nb * 64)[:, None, None] + kb * 64 + (32 * h + 8 * c2 + 4 * s)[None, :, :]  # activation words
+    so = (mrow * nb * 16)[:, None, None] + kb * 16 + (8 * h + 2 * c2 + s)[None, :, :]  # 16-value code sums
+    do = (mrow * nb * 8)[:, None, None] + kb * 8 + (4 * h + c2)[None, :, :]  # activation blocks
+    acc = _q6_k_block_q8(acc, pw, h, c2, s, xw_ptr, xd_ptr, xi_ptr, xo, so, do, xmask, 0, EMULATE)
+    return _q6_k_block_q8(acc, pw + 52, h, c2, s, xw_ptr, xd_ptr, xi_ptr, xo + 64, so + 16, do + 8,
+                          xmask, 2, EMULATE)
+
+
+@triton.jit
+def _step_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, xi_ptr, mrow, mmask, QTYPE: tl.constexpr,
+                  KBS: tl.constexpr, EMULATE: tl.constexpr):
+    """One K step of the int8-activation kernel for any of its types (Q4_K 12, Q5_K 13, Q6_K 14)."""
+    if QTYPE == 14:
+        acc = _step_q6_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS, EMULATE)
+    else:
+        acc = _step_kquant_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS,
+                                   QTYPE == 13, EMULATE)
+    return acc
+
+
+@triton.jit
+def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
+                    stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KBS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
-    Q4_K rows as int32 words; nb super-blocks per row.  BLOCK_M = 1 takes the one-row step (faster there: H200
-    lm_head/8 37.4 against 46.5 us for the rows step at one row)."""
+    int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K at BLOCK_M = 1 takes the
+    one-row step (faster there: H200 lm_head/8 37.4 against 46.5 us for the rows step at one row)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
+    if QTYPE == 14:
+        # the paired step loads without masks (a masked load costs a zero fill): rows past N read row N - 1 and
+        # blocks past nb the last pair; their products meet activation scales loaded as 0 or are not stored
+        row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    else:
+        row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and QTYPE == 12:
         m = pid_m.to(tl.int64)
         y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
                          xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE)[None, :]
     else:
         for d in tl.static_range(1, PREFETCH):
-            _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
+            _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
         mrow = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = mrow < M
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, 4 * KBS], dtype=tl.float32)
+        G: tl.constexpr = 4 * KBS
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, G], dtype=tl.float32)
         for b0 in range(blk_begin, blk_end, KBS):
             if PREFETCH > 0:
-                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
-            acc3 = _step_q4_k_q8_rows(acc3, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow.to(tl.int64), mmask,
-                                      KBS, EMULATE)
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QTYPE, KBS)
+            acc3 = _step_q8_rows(acc3, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, xi_ptr, mrow.to(tl.int64),
+                                 mmask, QTYPE, KBS, EMULATE)
         y = tl.sum(acc3, axis=2)
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, sums16: bool = False):
     """x (M, K) bf16/fp16/fp32, K a multiple of 32 -> (int8 codes (M, K), fp32 scales d (M, K/32), fp32 exact block
     sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp
-    ``quantize_q8_1``, round half up)."""
+    ``quantize_q8_1``, round half up).  ``sums16``: a fourth tensor, int32 (M, K/16), the sum of the codes of each
+    16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block)."""
     M, K = x.shape
     if K % QK8:
         raise ValueError(f"quantize_activations: K={K} is not a multiple of {QK8}")
     xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
     xd = torch.empty((M, K // QK8), dtype=torch.float32, device=x.device)
     xs = torch.empty_like(xd)
+    xi = torch.empty((M, K // 16), dtype=torch.int32, device=x.device) if sums16 else xd
     blocks = 8
     if M and K:
-        _quantize_x_kernel[(M, triton.cdiv(K // QK8, blocks))](x, xq, xd, xs, K, x.stride(0), BLOCKS=blocks,
-                                                                 num_warps=4)
-    return xq, xd, xs
+        _quantize_x_kernel[(M, triton.cdiv(K // QK8, blocks))](x, xq, xd, xs, xi, K, x.stride(0), BLOCKS=blocks,
+                                                                 SUMS16=sums16, num_warps=4)
+    return (xq, xd, xs, xi) if sums16 else (xq, xd, xs)
 
 
 def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 16, kbs: int = 2,
@@ -250,8 +409,9 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
 
     Args:
         x: (M, K) bf16/fp16/fp32 activations (row stride free, unit column stride).
-        qweight: (>= N, >= row_bytes) uint8 raw Q4_K rows (row_bytes = K / 256 * 144).
-        qtype: Q4_K (12); other types have no int8-activation kernel (module docstring).
+        qweight: (>= N, >= row_bytes) uint8 raw GGUF rows of a type in ``Q8_KERNEL_TYPES`` (row_bytes = K / block
+            elements * block bytes).
+        qtype: GGML type id: Q4_K, Q5_K or Q6_K.
         N: output features; block_n, kbs, split_k, num_warps, prefetch: launch parameters as ``GemvConfig``.
         block_m: activation rows per program, a power of two up to ``MAX_BLOCK_M`` (None: the next power of two
             >= M, at most ``MAX_BLOCK_M``): each program unpacks its weight tile once for that many rows.
@@ -260,16 +420,21 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, K not a multiple of 256, or a block_m that is not a power of two up to 8.
+        ValueError: another type, K not a whole number of blocks, or a block_m that is not a power of two up to 8.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = int(qtype)
-    if qtype != Q4_K:
-        raise ValueError(f"gguf_linear_q8: only Q4_K is supported, got {_NAMES.get(qtype, f'type {qtype}')}")
+    if qtype not in Q8_KERNEL_TYPES:
+        raise ValueError(f"gguf_linear_q8: {_NAMES.get(qtype, f'type {qtype}')} has no int8-activation kernel "
+                         f"(supported: {', '.join(_NAMES[q] for q in sorted(Q8_KERNEL_TYPES))})")
     M, K = x.shape
-    qk, qb = BLOCK_SIZES[Q4_K]
+    qk, qb = BLOCK_SIZES[qtype]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
-        raise ValueError(f"gguf_linear_q8: Q4_K weight {tuple(qweight.shape)} does not hold {N} rows of K={K}")
+        raise ValueError(f"gguf_linear_q8: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
+                         f"K={K}")
+    if qtype in _PAIRED and (K // qk % 2 or kbs % 2):
+        raise ValueError(f"gguf_linear_q8: {_NAMES[qtype]} is read in pairs of blocks: K={K} must hold an even number "
+                         f"of blocks and kbs={kbs} be even")
     if block_m is None:
         block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
     if type(block_m) is not int or block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
@@ -279,8 +444,8 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     if x.stride(1) != 1:
         x = x.contiguous()
     nb = K // qk
-    xq, xd, xs = quantize_activations(x)
-    w = _as_words(qweight, Q4_K)
+    xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K)
+    w = _as_words(qweight, qtype, unit=4)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
@@ -291,8 +456,8 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     else:
         part = counters = y  # unused
     emulate = x.device.type != "cuda" or not dp4a
-    _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, w, y, part, counters, M, N, nb, blocks_per_split,
-                          w.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, KBS=kbs, SPLIT_K=split,
-                          PREFETCH=prefetch if x.device.type == "cuda" else 0, EMULATE=emulate,
-                          num_warps=num_warps)
+    _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, xi[0] if xi else xd, w, y, part, counters, M, N, nb,
+                          blocks_per_split, w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m,
+                          BLOCK_N=block_n, KBS=kbs, SPLIT_K=split, PREFETCH=prefetch if x.device.type == "cuda" else 0,
+                          EMULATE=emulate, num_warps=num_warps)
     return y
