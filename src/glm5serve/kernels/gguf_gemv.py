@@ -27,8 +27,8 @@ bound by its instruction count before it reaches that bandwidth):
 
 Two later additions: for Q4_K at batches 1-8 and Q5_K/Q6_K at batches 2-8 (``GemvConfig.q8``, chosen by
 ``pick_config``) the activations are rounded to int8 blocks and the codes multiplied with ``dp4a``
-(``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K step first asks L2 for the blocks one or two steps ahead
-(``GemvConfig.prefetch``).
+(``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K
+step first asks L2 for the blocks one or two steps ahead (``GemvConfig.prefetch``).
 
 ``tests/unit/test_kernels_compile.py`` compiles these kernels for sm_90 without a GPU and keeps the SASS
 instruction count per weight in the K loop within a budget (~6-8 for Q4_K: the H200 issues enough instructions
@@ -699,8 +699,8 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
     smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
     programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``)
-    for Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for ``device_name``
-    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
+    for Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither
+    for ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     for m in sorted({key[1] for key in tuned if key[1] >= M}):
         cfg = tuned.get((qtype, m, N, K))
@@ -768,7 +768,7 @@ def _as_words(qweight: torch.Tensor, qtype: int, unit: int | None = None) -> tor
     uint8 tensor whose blocks (18, 22, 34, 210 bytes) they read as uint16 pairs.  Blocks are whole units (4 or 2
     bytes), so trailing row padding is cut to whole units, and a view whose start or row stride is not a whole
     unit (odd padding) is copied: a misaligned vector load is a CUDA fault.  ``unit=4`` asks for int32 words of any
-    type (rows of an even number of Q8_0 / Q6_K blocks, ``gguf_gemv_q8``)."""
+    type (rows of an even number of Q6_K blocks, ``gguf_gemv_q8``)."""
     unit = unit or (4 if qtype in _WORD_TYPES else 2)
     qweight = qweight[..., :qweight.shape[-1] // unit * unit]
     if qweight.data_ptr() % unit or any(s % unit for s in qweight.stride()[:-1]):
