@@ -229,7 +229,7 @@ def test_tuned_configs_compile_without_spills(key):
 #: rows per program), measured (triton 3.8): Q4_K 2.7, 3.3, 4.7, 6.2: rows after the first cost ~0.5 per weight each
 #: (two dp4a per word of 8 weights), against 2.7 for a program per row (each decoding the weights again); Q5_K 4.2,
 #: 5.7 and, with kbs 2 (kbs 4: 7.3 with a stack frame), 9.4 at 8 rows; Q6_K (64 rows per program) 3.4, 4.4,
-#: 7.2.  Budgets: ~+15 %.
+#: 7.2.  Budgets: ~+15 % (Q4_K's: +17-30 %).
 Q8_BUDGET = {(g.Q4_K, 1): 3.5, (g.Q4_K, 2): 4.0, (g.Q4_K, 4): 5.5, (g.Q4_K, 8): 7.5,
              (g.Q5_K, 2): 4.9, (g.Q5_K, 4): 6.5, (g.Q5_K, 8): 10.8,
              (g.Q6_K, 2): 3.9, (g.Q6_K, 4): 5.1, (g.Q6_K, 8): 8.3}
@@ -245,7 +245,7 @@ def _q8_kernel(qtype: int, block_m: int, block_n: int, kbs: int, split_k: int, p
                     ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), 4)
 
 
-@pytest.mark.parametrize("qtype,M", sorted(Q8_BUDGET), ids=lambda v: g._NAMES.get(v, str(v)))
+@pytest.mark.parametrize("qtype,M", sorted(Q8_BUDGET), ids=[f"{g._NAMES[q]}-M{m}" for q, m in sorted(Q8_BUDGET)])
 def test_q8_kernel_uses_dp4a_within_budget(qtype, M):
     """The int8-activation GEMV (``gguf_gemv_q8``) at its production tile for a 2048 x 6144 weight and a decode
     batch of M: one IDP.4A per 4 weights and row in the K loop, no spills, no cross-lane shuffles when several rows

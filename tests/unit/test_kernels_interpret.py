@@ -305,7 +305,7 @@ else:
 
     @pytest.mark.parametrize("M,block_m", [(3, 2), (3, 4), (8, 8), (6, 4)])
     def test_q8_rows_per_program_compute_what_one_row_per_program_does(M, block_m):
-        """Several activation rows per program (``_step_q4_k_q8_rows``: dp4a chains over each sub-block's words)
+        """Several activation rows per program (``_step_kquant_q8_rows``: dp4a chains over each sub-block's words)
         and one row per program (``_step_q4_k_q8``: dp4a then a sum over the words) do the same integer and fp32
         arithmetic per output, so under the interpreter (numpy sums in one order) they agree bit for bit; with
         split-K, a partial row tile and a partial last activation tile.  A wrong activation row or sub-block offset
@@ -331,6 +331,28 @@ else:
         y = gguf_linear(x, w, qtype, 19, dataclasses.replace(cfg, q8=True))
         assert torch.equal(y, gguf_linear(x, w, qtype, 19, cfg))
         _check(y, ref, bound, rel_out=2.0 ** -7, what=f"{qtype.name} q8=True")
+
+    def test_q8_config_with_odd_kbs_reads_q6_k_in_pairs():
+        """gguf_linear gives the Q6_K int8-activation kernel at least 2 blocks per step (it reads them in pairs):
+        ``GemvConfig(q8=True, kbs=1)`` is the kernel with kbs=2, not the fp32 decode."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        x, w, _, _ = _case(Q.Q6_K, M=3, N=11, K=_k(Q.Q6_K, 4), seed=87, dtype=torch.bfloat16)
+        y = gguf_linear(x, w, Q.Q6_K, 11, GemvConfig(block_n=8, kbs=1, split_k=2, q8=True))
+        assert torch.equal(y, gguf_linear_q8(x, w, Q.Q6_K, 11, block_n=8, kbs=2, split_k=2))
+        assert not torch.equal(y, gguf_linear(x, w, Q.Q6_K, 11, GemvConfig(block_n=8, kbs=2, split_k=2)))
+
+    def test_q6_k_q8_steps_past_the_row_read_no_other_bytes():
+        """The Q6_K int8-activation step loads without masks: a last K step that runs past the row (6 blocks, 4 per
+        step) must re-read the row's last pair, not the bytes after it.  Here the rows after the 5 used ones are
+        0xFF (NaN scales), so a read past a row turns its output NaN (review mutation, session 11)."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        x, w, ref, bound = _case(Q.Q6_K, M=2, N=5, K=_k(Q.Q6_K, 6), seed=88, dtype=torch.bfloat16)
+        buf = torch.cat([w, torch.full((3, w.shape[1]), 0xFF, dtype=torch.uint8)])
+        y = gguf_linear_q8(x, buf, Q.Q6_K, 5, block_n=8, kbs=4, split_k=1)
+        assert torch.isfinite(y).all()
+        assert torch.equal(y, gguf_linear_q8(x, w, Q.Q6_K, 5, block_n=8, kbs=4, split_k=1))
 
     def test_q8_path_types_and_shapes_are_checked():
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8

@@ -69,7 +69,7 @@ class GemvConfig:
     ``block_n < 16``); without it each program takes one activation row.  ``block_m`` (16, 32 or 64): activation
     rows per program on the tensor-core path; each program dequantizes its weight tile once for that many rows.
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
-    ``q8`` (Q4_K, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
+    ``q8`` (Q8_TYPES, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
     MMVQ (``gguf_gemv_q8``), with min(``block_m``, 8, the next power of two >= M) activation rows per program;
     ``use_dot`` unused."""
     block_n: int = 16
@@ -488,12 +488,12 @@ def _prefetch_l2(row_ptr, rmask, b0, blk_end, QTYPE: tl.constexpr, KBS: tl.const
     EB: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes per pointer element: 1, 2 or 4
     BYTES: tl.constexpr = (144 if QTYPE == 12 else 176 if QTYPE == 13 else 210 if QTYPE == 14 else 34 if QTYPE == 8
                            else 18 if QTYPE == 2 else 22)
-    QB: tl.constexpr = BYTES // EB  # pointer elements per block
+    STEP: tl.constexpr = KBS * BYTES // EB  # pointer elements per step (KBS even where a block is not whole units)
     LINE: tl.constexpr = 128 // EB  # pointer elements per 128-byte line
-    NL: tl.constexpr = triton.next_power_of_2((KBS * QB + LINE - 1) // LINE + 1)
-    start = b0 * QB
+    NL: tl.constexpr = triton.next_power_of_2((STEP + LINE - 1) // LINE + 1)
+    start = b0 * BYTES // EB
     # line starts, the last clamped to the step's last element: every line the step touches gets one prefetch
-    off = tl.minimum(start + tl.arange(0, NL) * LINE, start + KBS * QB - 1)
+    off = tl.minimum(start + tl.arange(0, NL) * LINE, start + STEP - 1)
     ptrs = row_ptr[:, None] + off[None, :]
     on = (rmask[:, None] & (b0 < blk_end)).to(tl.int32) + tl.zeros([1, NL], dtype=tl.int32)
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -676,14 +676,14 @@ Q8_MIN_BYTES_M1 = 4 << 20
 #: / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 / 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8
 #: 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 / 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8;
 #: down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 / 60.  At batch 1 their FMA-path
-#: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.2,
+#: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.1,
 #: a tuned entry).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: (block_n, kbs, programs per SM aimed at) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.  Measured
 #: best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K: 64 rows per program read each
 #: activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32); at batch
-#: 8 fewer programs (gate/up 21.5 against 23.4 us).  Q5_K at 5..8 rows: kbs 4 takes a stack frame, kbs 2 none (gate/up
-#: 17.9 against 20.8 us, down 16.7 against 13.5).
+#: 8 fewer programs (gate/up 21.5 against 23.4 us).  Q5_K at 5..8 rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4
+#: took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).
 _Q8_TILE = {Q4_K: ((16, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: (None, (16, 4, 2), (16, 2, 2)),
             Q6_K: (None, (64, 2, 8), (64, 2, 2))}
 

@@ -420,7 +420,8 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, K not a whole number of blocks, or a block_m that is not a power of two up to 8.
+        ValueError: another type, K not a whole number of blocks, a block_m that is not a power of two up to 8, or
+            for Q6_K an odd number of blocks per row or an odd kbs.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = int(qtype)
