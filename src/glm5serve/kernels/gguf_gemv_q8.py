@@ -20,10 +20,18 @@ with one PRMT each.  Its codes are unsigned (u = 0..63); the ``- 32`` of each we
 of each 16-weight dp4a chain, -32 times the integer sum of those 16 activation codes (``quantize_activations(...,
 sums16=True)``), so the integer result is llama.cpp's signed-code sum exactly.
 
-Q8_0 was tried with the same pairing (1.1 instructions per weight) and is not used: each thread read the 17 words
-of its own block pair, so a warp's loads touched a cache line per lane, and it ran 1.9-2.4x slower than the fp32
-decode (H200, session 11, same run: expert gate/up batch 1 21.9 against 11.7 us, lm_head/8 170 against 72).  An
-earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was slower too (session 7).
+Q8_0 was tried with the same pairing (1.1 instructions per weight) and is not used: each thread read the 17 words of
+its own block pair, so a warp's loads touched a cache line per lane, and it ran 1.9-2.4x slower than the fp32 decode
+(H200, session 11, same run: expert gate/up batch 1 21.9 against 11.7 us, lm_head/8 170 against 72).  A second layout
+(session 12) split each pair into 4 groups of 4 consecutive words (plus word 8), one group per thread and
+neighbouring groups in neighbouring lanes (the Q6_K scheme), with the activations laid out like the weight bytes
+they meet (zero at the scale bytes).  On the GPU every config timed stayed within 0.07 of its error bound, and it
+needs 2.5 / 3.6 SASS instructions per weight at batch 2 / 4, yet it ran slower than the fp32 path at 11 of the 12
+points timed (same run, best of 4-6 tiles x 3 split-K choices / that path, us: gate/up batch 1 18.0 / 11.5, 2 18.8 /
+17.7, 4 21.0 / 18.3, 8 24.3 / 19.8; down 4 20.3 / 18.7, 2 17.1 / 17.8; lm_head/8 1 124 / 72, 4 149 / 133; 64-row
+tiles 26-27 us at batches 2-4): each 4-byte load of a warp still spans ~5 cache lines at 16-20 byte strides, and 6
+loads meet each line.  An earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was
+slower too (session 7).
 
 Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
 / 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K/Q5_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code)
@@ -42,6 +50,7 @@ from glm5serve.kernels.gguf_gemv import (
     Q4_K,
     Q5_K,
     Q6_K,
+    Q8_TYPES,
     _NAMES,
     _as_words,
     _f16_hi,
@@ -54,7 +63,7 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
-Q8_KERNEL_TYPES = frozenset({Q4_K, Q5_K, Q6_K})  # types with an int8-activation step
+Q8_KERNEL_TYPES = Q8_TYPES  # types with an int8-activation step (gguf_gemv's name for pick_config)
 _PAIRED = frozenset({Q6_K})  # 2-byte aligned blocks, read as int32 words two blocks at a time
 MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 do not) tied with the tensor cores
 
@@ -301,7 +310,7 @@ def _q6_k_block_q8(acc, pw, h, c2, s, xw_ptr, xd_ptr, xi_ptr, xo, so, do, xmask,
 
 
 @triton.jit
-def _step_q6_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS: tl.constexpr,
+def _step_q6_k_q8_rows(acc, row_ptr, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS: tl.constexpr,
                        EMULATE: tl.constexpr):
     """KBS Q6_K super-blocks (210 bytes, layout in ``gguf_gemv._step_q6_k``) of BLOCK_N rows against BLOCK_M rows of
     int8 activations; acc: [BLOCK_M, BLOCK_N, 4 KBS] fp32.  ``row_ptr``: int32 word pointers; b0 and nb even.
@@ -336,7 +345,7 @@ def _step_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, xi_ptr, m
                   KBS: tl.constexpr, EMULATE: tl.constexpr):
     """One K step of the int8-activation kernel for any of its types (Q4_K 12, Q5_K 13, Q6_K 14)."""
     if QTYPE == 14:
-        acc = _step_q6_k_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS, EMULATE)
+        acc = _step_q6_k_q8_rows(acc, row_ptr, b0, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, KBS, EMULATE)
     else:
         acc = _step_kquant_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS,
                                    QTYPE == 13, EMULATE)
