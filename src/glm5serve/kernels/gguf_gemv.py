@@ -696,13 +696,15 @@ PREFETCH_MIN_BYTES = 32 << 20
 @functools.lru_cache(maxsize=4096)
 def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch.dtype = torch.bfloat16,
                 device_name: str = "") -> GemvConfig:
-    """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the
-    smallest tuned batch >= M where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >= 4
-    programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``)
-    for Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither
-    for ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
+    """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the smallest
+    tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
+    4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
+    Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for
+    ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
-    for m in sorted({key[1] for key in tuned if key[1] >= M}):
+    # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
+    # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)
+    for m in sorted({key[1] for key in tuned if key[1] >= M and (M > 1 or key[1] == 1)}):
         cfg = tuned.get((qtype, m, N, K))
         if cfg is not None and (not cfg.use_dot or dtype in (torch.bfloat16, torch.float16)):
             return cfg
