@@ -22,16 +22,16 @@ sums16=True)``), so the integer result is llama.cpp's signed-code sum exactly.
 
 Q8_0 was tried with the same pairing (1.1 instructions per weight) and is not used: each thread read the 17 words of
 its own block pair, so a warp's loads touched a cache line per lane, and it ran 1.9-2.4x slower than the fp32 decode
-(H200, session 11, same run: expert gate/up batch 1 21.9 against 11.7 us, lm_head/8 170 against 72).  A second layout
-(session 12) split each pair into 4 groups of 4 consecutive words (plus word 8), one group per thread and
+(H200, session 11, same run: expert gate/up batch 1 21.9 against 11.7 us, lm_head/8 170 against 72).  A second
+layout (session 12) split each pair into 4 groups of 4 consecutive words (plus word 8), one group per thread and
 neighbouring groups in neighbouring lanes (the Q6_K scheme), with the activations laid out like the weight bytes
-they meet (zero at the scale bytes).  On the GPU every config timed stayed within 0.07 of its error bound, and it
-needs 2.5 / 3.6 SASS instructions per weight at batch 2 / 4, yet it ran slower than the fp32 path at 11 of the 12
-points timed (same run, best of 4-6 tiles x 3 split-K choices / that path, us: gate/up batch 1 18.0 / 11.5, 2 18.8 /
-17.7, 4 21.0 / 18.3, 8 24.3 / 19.8; down 4 20.3 / 18.7, 2 17.1 / 17.8; lm_head/8 1 124 / 72, 4 149 / 133; 64-row
-tiles 26-27 us at batches 2-4): each 4-byte load of a warp still spans ~5 cache lines at 16-20 byte strides, and 6
-loads meet each line.  An earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was
-slower too (session 7).
+they meet (zero at the scale bytes).  It needs 2.5 / 3.6 SASS instructions per weight at batch 2 / 4, and on the GPU
+every config's error stayed below 0.07 times its bound, yet it ran slower than the fp32 path at 11 of 12 points
+(same run, best of 4-6 tiles x up to 3 split-K choices / that path, us, batches 1, 2, 4, 8: gate/up 18.0 / 11.5, 18.8 /
+17.7, 21.0 / 18.3, 24.3 / 19.8; down 16.7 / 11.6, 17.1 / 17.8, 20.3 / 18.7, 22.9 / 20.2; lm_head/8 124 / 72, 129 /
+126, 149 / 133, 175 / 149): each 4-byte load of a warp still spans ~5 cache lines at 16-20 byte strides, and 6 loads
+meet each line.  An earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was slower
+too (session 7).
 
 Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
 / 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K/Q5_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code)
@@ -63,7 +63,7 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
-Q8_KERNEL_TYPES = Q8_TYPES  # types with an int8-activation step (gguf_gemv's name for pick_config)
+Q8_KERNEL_TYPES = Q8_TYPES  # types with an int8-activation step: the set gguf_gemv's pick_config uses
 _PAIRED = frozenset({Q6_K})  # 2-byte aligned blocks, read as int32 words two blocks at a time
 MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 do not) tied with the tensor cores
 
