@@ -275,6 +275,18 @@ def test_q8_dp4a_equals_its_emulation(qtype, M):
         assert torch.equal(gguf_linear_q8(x, w, qtype, 301, **kw), gguf_linear_q8(x, w, qtype, 301, dp4a=False, **kw))
 
 
+@pytest.mark.parametrize("M", (1, 4, 8))
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
+def test_q8_loads_ahead_change_no_bit(qtype, M):
+    """``ahead`` (K-step loads issued one step ahead into registers) compiled for the GPU: bit-identical to the plain
+    loop, with split-K ranges of 1-3 steps, a last step past the row and a partial row tile."""
+    from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+    x, w, _, _ = _linear_case(qtype, M, 301, 7 * 256, torch.bfloat16, seed=95 + M)
+    for kw in (dict(block_n=16, kbs=4), dict(block_n=8, kbs=2, split_k=3), dict(block_n=16, kbs=1, split_k=2)):
+        assert torch.equal(gguf_linear_q8(x, w, qtype, 301, ahead=True, **kw), gguf_linear_q8(x, w, qtype, 301, **kw))
+
+
 @pytest.mark.parametrize("T", (3, 40))
 def test_moe_q8_dp4a_equals_its_emulation(T):
     """The int8 per-pair MoE's dp4a (PTX) and its shift-and-multiply emulation (what the interpreter tests check

@@ -332,6 +332,26 @@ else:
         assert torch.equal(y, gguf_linear(x, w, qtype, 19, cfg))
         _check(y, ref, bound, rel_out=2.0 ** -7, what=f"{qtype.name} q8=True")
 
+    @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 5, dict(block_n=8, kbs=2, split_k=2)),
+                                                (3, 17, 7, dict(block_n=8, kbs=2, split_k=3)),
+                                                (5, 9, 3, dict(block_n=16, kbs=4, split_k=1, block_m=4)),
+                                                (2, 12, 4, dict(block_n=4, kbs=1, split_k=4))], ids=str)
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
+    def test_q8_loads_ahead_change_no_bit(qtype, M, N, blocks, cfg):
+        """``ahead`` (each K step's loads issued one step ahead) only moves loads: bit-identical to the plain loop,
+        with split-K ranges of 1-3 steps, a last step past the row (blocks not a multiple of kbs), partial row tiles
+        and one or several activation rows per program; ``GemvConfig(ahead=True)`` through gguf_linear is the same
+        call."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+
+        x, w, ref, bound = _case(qtype, M=M, N=N, K=_k(qtype, blocks), seed=90 + N, dtype=torch.bfloat16)
+        y = gguf_linear_q8(x, w, qtype, N, ahead=True, **cfg)
+        assert torch.equal(y, gguf_linear_q8(x, w, qtype, N, **cfg))
+        gcfg = GemvConfig(q8=True, ahead=True, **{"block_m": 16, **cfg})
+        assert torch.equal(gguf_linear(x, w, qtype, N, gcfg), gguf_linear_q8(x, w, qtype, N, **{"block_m": None,
+                                                                                                 **cfg}))
+        assert (y.double() - ref).abs().max() > 0  # the activations really were rounded
+
     def test_q8_config_with_odd_kbs_reads_q6_k_in_pairs():
         """gguf_linear gives the Q6_K int8-activation kernel at least 2 blocks per step (it reads them in pairs):
         ``GemvConfig(q8=True, kbs=1)`` is the kernel with kbs=2, not the fp32 decode."""

@@ -30,8 +30,20 @@ every config's error stayed below 0.07 times its bound, yet it ran slower than t
 (same run, best of 4-6 tiles x up to 3 split-K choices / that path, us, batches 1, 2, 4, 8: gate/up 18.0 / 11.5, 18.8 /
 17.7, 21.0 / 18.3, 24.3 / 19.8; down 16.7 / 11.6, 17.1 / 17.8, 20.3 / 18.7, 22.9 / 20.2; lm_head/8 124 / 72, 129 /
 126, 149 / 133, 175 / 149): each 4-byte load of a warp still spans ~5 cache lines at 16-20 byte strides, and 6 loads
-meet each line.  An earlier Q6_K/Q8_0 version with uint16 code loads and one program per activation row was slower
-too (session 7).
+meet each line.  A third layout (session 13) had lanes take consecutive int32 words (128 contiguous bytes per warp
+load; word w belongs to block 4w // 34) with the activations quantized into a Q8_0-row layout and one fp32
+accumulator per word: 3.6 / 5.0 / 7.0 SASS per weight at batch 1 / 2 / 4 (each row pays its own scale load and
+multiply per word), and slower still at all 12 points (best of 5-12 tiles / the fp32 path, us: gate/up 14.6 / 11.5,
+22.4 / 17.9, 23.8 / 18.5, 27.5 / 19.9; down 15.1 / 11.9, 22.0 / 18.2, 23.4 / 18.8, 26.9 / 20.1; lm_head/8 98.3 /
+72.1, 176.9 / 126.6, 182.5 / 133.5, 207.7 / 150.2).  An earlier Q6_K/Q8_0 version with uint16 code loads and one
+program per activation row was slower too (session 7).
+
+The quantizer is a second launch (H200, session 13: 1.4 us of Q4_K gate/up's 8.5 at batch 1, 11.3 at batch 4).
+Launching the GEMV with programmatic dependent launch (its programs start during the quantizer, prefetch their
+first weights and wait in ``griddepcontrol.wait``) was bit-identical but slower at 9 of 11 shapes (Q4_K gate/up
+batch 1 9.7 against 8.5 us, batch 4 11.8 against 11.3).  Quantizing in the GEMV itself would save the launch, but
+each program then reduces its x blocks across lanes, x being replicated over the weight rows: 8.7 / 16.1 / 32.8
+SASS per weight at batch 2 / 4 / 8 against 3.3 / 4.6 / 6.2 (not timed).
 
 Numerics (llama.cpp's, except the min term): each 32 activations x_i become q_i = round(x_i / d_x), d_x = max|x_i|
 / 127, so |x_i - d_x q_i| <= d_x / 2.  A Q4_K/Q5_K weight is w_i = s_i - m_i with s_i = d * sc * u_i (scaled code)
@@ -141,33 +153,59 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
     nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
     activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
     """
-    kb, j, t, bmask, h0, h1, h2, h3, q, _ = _kquant_words(row_ptr, rmask, b0, nb, KBS)
+    j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi = _load_q4_k_q8(row_ptr, rmask, b0, nb, xw_ptr,
+                                                                            xd_ptr, xs_ptr, KBS)
+    return _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, EMULATE)
+
+
+@triton.jit
+def _load_q4_k_q8(row_ptr, rmask, b0, end, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr):
+    """The loads of ``_step_q4_k_q8`` (super-blocks b0 .. b0 + KBS - 1, those from ``end`` masked off): qs chunk
+    index j, header words, qs words, activation words (low, high), scales and block sums."""
+    kb, j, t, bmask, h0, h1, h2, h3, q, _ = _kquant_words(row_ptr, rmask, b0, end, KBS)
     xo = (kb * 64 + j * 16)[:, None] + t[None, :]
-    xlo = tl.broadcast_to(tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)[None, :, :], q.shape)
-    xhi = tl.broadcast_to(tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)[None, :, :], q.shape)
-    zero = tl.zeros(q.shape, dtype=tl.int32)
-    dlo = tl.sum(_dp4a(q & 0x0F0F0F0F, xlo, zero, EMULATE), axis=2).to(tl.float32)
-    dhi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, xhi, zero, EMULATE), axis=2).to(tl.float32)
+    xlo = tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)
+    xhi = tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)
     sb = kb * 8 + 2 * j  # sub-block 2j of the row's activation blocks
-    dx_lo = tl.load(xd_ptr + sb, mask=bmask, other=0.0)[None, :]
-    dx_hi = tl.load(xd_ptr + sb + 1, mask=bmask, other=0.0)[None, :]
-    sx_lo = tl.load(xs_ptr + sb, mask=bmask, other=0.0)[None, :]
-    sx_hi = tl.load(xs_ptr + sb + 1, mask=bmask, other=0.0)[None, :]
+    dx_lo = tl.load(xd_ptr + sb, mask=bmask, other=0.0)
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=bmask, other=0.0)
+    sx_lo = tl.load(xs_ptr + sb, mask=bmask, other=0.0)
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=bmask, other=0.0)
+    return j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi
+
+
+@triton.jit
+def _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, EMULATE: tl.constexpr):
+    """The arithmetic of ``_step_q4_k_q8`` on the values ``_load_q4_k_q8`` returns."""
+    zero = tl.zeros(q.shape, dtype=tl.int32)
+    dlo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.broadcast_to(xlo[None, :, :], q.shape), zero, EMULATE), axis=2)
+    dhi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(xhi[None, :, :], q.shape), zero, EMULATE), axis=2)
     sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
     sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
     # weight = d * sc * u - dmin * mn (gguf-py Q4_K.dequantize_blocks); sum_i w_i x_i per sub-block
-    return acc + _f16_lo(h0) * (sc0 * dx_lo * dlo + sc1 * dx_hi * dhi) - _f16_hi(h0) * (mn0 * sx_lo + mn1 * sx_hi)
+    return acc + _f16_lo(h0) * (sc0 * dx_lo[None, :] * dlo.to(tl.float32) + sc1 * dx_hi[None, :] * dhi.to(tl.float32)
+                                ) - _f16_hi(h0) * (mn0 * sx_lo[None, :] + mn1 * sx_hi[None, :])
 
 
 @triton.jit
 def _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, BLOCK_N: tl.constexpr,
-                 KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+                 KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, AHEAD: tl.constexpr = False):
     """Super-blocks blk_begin..blk_end-1 of BLOCK_N Q4_K rows (``row_ptr``: int32 word pointers, nb super-blocks per
     row) dotted with one row of int8 activations (``xw_ptr``/``xd_ptr``/``xs_ptr``: that row's codes as words,
-    scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none)."""
+    scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none).  AHEAD: each step's
+    loads are issued one step ahead, into registers (two steps of weights in flight per program)."""
     for d in tl.static_range(1, PREFETCH):
         _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
     acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
+    if AHEAD:
+        j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh = _load_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, xw_ptr,
+                                                                          xd_ptr, xs_ptr, KBS)
+        for b0 in range(blk_begin, blk_end, KBS):
+            nj, n0, n1, n2, n3, nq, nxl, nxh, ndl, ndh, nsl, nsh = _load_q4_k_q8(row_ptr, rmask, b0 + KBS, blk_end,
+                                                                                xw_ptr, xd_ptr, xs_ptr, KBS)
+            acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh, EMULATE)
+            j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh = nj, n0, n1, n2, n3, nq, nxl, nxh, ndl, ndh, nsl, nsh
+        return tl.sum(acc, axis=1)
     for b0 in range(blk_begin, blk_end, KBS):
         if PREFETCH > 0:
             _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
@@ -197,16 +235,41 @@ def _step_kquant_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mr
     once for all rows; per row it costs two dp4a, chained over the 8 words of a sub-block (llama.cpp's MMVQ handles
     several columns of x the same way, ``ncols_y``).  Integer sums are exact, so per output this is the one-row
     step's arithmetic up to the order of the final fp32 sum over sub-blocks."""
-    kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, nb, KBS, FIVE)
-    BM: tl.constexpr = mrow.shape[0]
-    BN: tl.constexpr = q.shape[0]
+    j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = _load_kquant_q8_rows(row_ptr, rmask, b0, nb, nb, xw_ptr, xd_ptr,
+                                                                            xs_ptr, mrow, mmask, KBS, FIVE)
+    return _math_kquant_q8_rows(acc, j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh, FIVE, EMULATE)
+
+
+@triton.jit
+def _load_kquant_q8_rows(row_ptr, rmask, b0, end, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS: tl.constexpr,
+                         FIVE: tl.constexpr):
+    """The loads of ``_step_kquant_q8_rows`` (super-blocks from ``end`` masked off)."""
+    kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, end, KBS, FIVE)
     G: tl.constexpr = q.shape[1]
     xo = (mrow * nb * 64)[:, None, None] + ((kb * 64 + j * 16)[:, None] + t[None, :])[None, :, :]
     xmask = mmask[:, None, None] & bmask[None, :, None]
+    xlw = tl.load(xw_ptr + xo, mask=xmask, other=0)
+    xhw = tl.load(xw_ptr + xo + 8, mask=xmask, other=0)
+    sb = (mrow * nb * 8)[:, None] + (kb * 8 + 2 * j)[None, :]  # [BM, G]: sub-block 2j of each row
+    smask = mmask[:, None] & bmask[None, :]
+    dx_lo = tl.load(xd_ptr + sb, mask=smask, other=0.0)
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=smask, other=0.0)
+    sx_lo = tl.load(xs_ptr + sb, mask=smask, other=0.0)
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=smask, other=0.0)
+    return j, h0, h1, h2, h3, q, qh, xlw, xhw, dx_lo, dx_hi, sx_lo, sx_hi
+
+
+@triton.jit
+def _math_kquant_q8_rows(acc, j, h0, h1, h2, h3, q, qh, xlw, xhw, dx_lo, dx_hi, sx_lo, sx_hi, FIVE: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    """The arithmetic of ``_step_kquant_q8_rows`` on the values ``_load_kquant_q8_rows`` returns."""
+    BM: tl.constexpr = xlw.shape[0]
+    BN: tl.constexpr = q.shape[0]
+    G: tl.constexpr = q.shape[1]
     qw = _split8(q, BN, G)
     hw = _split8(qh, BN, G)
-    xl = _split8(tl.load(xw_ptr + xo, mask=xmask, other=0), BM, G)
-    xh = _split8(tl.load(xw_ptr + xo + 8, mask=xmask, other=0), BM, G)
+    xl = _split8(xlw, BM, G)
+    xh = _split8(xhw, BM, G)
     dlo = tl.zeros((BM, BN, G), dtype=tl.int32)
     dhi = tl.zeros((BM, BN, G), dtype=tl.int32)
     for i in tl.static_range(8):
@@ -219,12 +282,8 @@ def _step_kquant_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, mr
         hi = tl.broadcast_to(chi[None, :, :], (BM, BN, G))
         dlo = _dp4a(lo, tl.broadcast_to(xl[i][:, None, :], (BM, BN, G)), dlo, EMULATE)
         dhi = _dp4a(hi, tl.broadcast_to(xh[i][:, None, :], (BM, BN, G)), dhi, EMULATE)
-    sb = (mrow * nb * 8)[:, None] + (kb * 8 + 2 * j)[None, :]  # [BM, G]: sub-block 2j of each row
-    smask = mmask[:, None] & bmask[None, :]
-    dx_lo = tl.load(xd_ptr + sb, mask=smask, other=0.0)[:, None, :]
-    dx_hi = tl.load(xd_ptr + sb + 1, mask=smask, other=0.0)[:, None, :]
-    sx_lo = tl.load(xs_ptr + sb, mask=smask, other=0.0)[:, None, :]
-    sx_hi = tl.load(xs_ptr + sb + 1, mask=smask, other=0.0)[:, None, :]
+    dx_lo, dx_hi = dx_lo[:, None, :], dx_hi[:, None, :]
+    sx_lo, sx_hi = sx_lo[:, None, :], sx_hi[:, None, :]
     sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
     sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
     return acc + _f16_lo(h0)[None, :, :] * (sc0[None, :, :] * dx_lo * dlo.to(tl.float32)
@@ -355,10 +414,12 @@ def _step_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, xi_ptr, m
 @triton.jit
 def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                     stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KBS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr):
+                    KBS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
+                    AHEAD: tl.constexpr = False):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
     int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K at BLOCK_M = 1 takes the
-    one-row step (faster there: H200 lm_head/8 37.4 against 46.5 us for the rows step at one row)."""
+    one-row step (faster there: H200 lm_head/8 37.4 against 46.5 us for the rows step at one row).  AHEAD (Q4_K,
+    Q5_K): each step's loads are issued one step ahead, into registers."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -375,7 +436,19 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
     if BLOCK_M == 1 and QTYPE == 12:
         m = pid_m.to(tl.int64)
         y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
-                         xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE)[None, :]
+                         xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE, AHEAD)[None, :]
+    elif AHEAD and QTYPE != 14:
+        mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mmask = mrow < M
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, 4 * KBS], dtype=tl.float32)
+        j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = _load_kquant_q8_rows(
+            row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS, QTYPE == 13)
+        for b0 in range(blk_begin, blk_end, KBS):
+            nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh = _load_kquant_q8_rows(
+                row_ptr, rmask, b0 + KBS, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS, QTYPE == 13)
+            acc3 = _math_kquant_q8_rows(acc3, j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh, QTYPE == 13, EMULATE)
+            j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh
+        y = tl.sum(acc3, axis=2)
     else:
         for d in tl.static_range(1, PREFETCH):
             _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
@@ -413,7 +486,7 @@ def quantize_activations(x: torch.Tensor, sums16: bool = False):
 
 def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 16, kbs: int = 2,
                    split_k: int = 1, num_warps: int = 4, prefetch: int = 0, dp4a: bool = True,
-                   block_m: int | None = None) -> torch.Tensor:
+                   block_m: int | None = None, ahead: bool = False) -> torch.Tensor:
     """y = x @ dequantize(qweight)[:N].T with x quantized to int8 blocks of 32 (see the module docstring).
 
     Args:
@@ -426,6 +499,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
             >= M, at most ``MAX_BLOCK_M``): each program unpacks its weight tile once for that many rows.
         dp4a: False computes the same integer dot products with shifts and multiplies (always so under the
             Triton interpreter, which has no inline PTX); the results are bit-identical.
+        ahead: Q4_K and Q5_K: issue each K step's loads one step ahead, into registers; bit-identical results.
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
@@ -469,5 +543,5 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, xi[0] if xi else xd, w, y, part, counters, M, N, nb,
                           blocks_per_split, w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m,
                           BLOCK_N=block_n, KBS=kbs, SPLIT_K=split, PREFETCH=prefetch if x.device.type == "cuda" else 0,
-                          EMULATE=emulate, num_warps=num_warps)
+                          EMULATE=emulate, AHEAD=ahead and qtype in (Q4_K, Q5_K), num_warps=num_warps)
     return y
