@@ -78,22 +78,27 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 @example(qtype=Q4_K, M=3, N=2048, blocks=24, dtype=torch.bfloat16).via("GLM-5 expert gate/up, decode batch of 3")
 @example(qtype=Q6_K, M=2, N=2048, blocks=3, dtype=torch.bfloat16).via("Q6_K rows of an odd number of blocks")
 @example(qtype=Q5_K, M=2, N=2048, blocks=24, dtype=torch.bfloat16).via("Q5_K at a decode batch of 2")
+@example(qtype=Q5_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q5_K expert down at batch 1 (8.7 MB)")
+@example(qtype=Q5_K, M=1, N=2048, blocks=8, dtype=torch.bfloat16).via("Q5_K q_b/8 at batch 1 (2.9 MB)")
+@example(qtype=Q4_K, M=4, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 4: loads ahead")
 def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, blocks, dtype):
     """q8 (``gguf_gemv_q8``): Q4_K, Q5_K and Q6_K (rows of an even number of blocks), bf16/fp16 activations, batches
-    2..Q8_MAX_M, and for Q4_K batch 1 from Q8_MIN_BYTES_M1 of weight, with M rounded up to a power of two rows per
-    program; never chosen for the interpreter; L2 prefetch only for the other types' weights of PREFETCH_MIN_BYTES
-    or more at up to 4 rows; split-K only while the programs do not fill the GPU (>= 2 per SM)."""
+    2..Q8_MAX_M, and for Q4_K and Q5_K batch 1 from Q8_MIN_BYTES_M1 of weight, with M rounded up to a power of two
+    rows per program; never chosen for the interpreter; L2 prefetch only for the other types' weights of
+    PREFETCH_MIN_BYTES or more at 2..4 rows; loads one step ahead for Q4_K at 2..4 rows; split-K only while the
+    programs do not fill the GPU (>= 2 per SM)."""
     qk, qb = BLOCK_SIZES[qtype]
     K = blocks * qk
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
     weight_bytes = N * blocks * qb
     want = (qtype in (Q4_K, Q5_K, Q6_K) and (qtype != Q6_K or blocks % 2 == 0) and dtype != torch.float32
-            and (1 < M <= Q8_MAX_M or (M == 1 and qtype == Q4_K and weight_bytes >= Q8_MIN_BYTES_M1)))
+            and (1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)))
     assert gpu.q8 == want
     assert not pick_config(qtype, M, N, K, 1, dtype, "cpu").q8
     if gpu.q8:
         assert gpu.block_m == next(b for b in (1, 2, 4, 8) if b >= M)  # rows per program: the CUDA-graph size
-        assert gpu.prefetch == int(qtype != Q4_K and M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
+        assert gpu.prefetch == int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
+        assert gpu.ahead == (qtype == Q4_K and 1 < M <= 4)
         assert 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1 and (qtype != Q6_K or gpu.kbs % 2 == 0)
         if -(-N // gpu.block_n) >= 2 * 132:  # enough row tiles: no split-K
             assert gpu.split_k == 1, gpu

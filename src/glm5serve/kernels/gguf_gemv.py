@@ -71,7 +71,8 @@ class GemvConfig:
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
     ``q8`` (Q8_TYPES, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
     MMVQ (``gguf_gemv_q8``), with min(``block_m``, 8, the next power of two >= M) activation rows per program;
-    ``use_dot`` unused."""
+    ``use_dot`` unused.  ``ahead`` (with ``q8``, Q4_K and Q5_K): each K step's loads are issued one step ahead,
+    into registers."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -80,6 +81,7 @@ class GemvConfig:
     block_m: int = 16
     prefetch: int = 0
     q8: bool = False
+    ahead: bool = False
 
     def __post_init__(self):
         # Triton block sizes and warp counts are powers of two; catch a bad value here, not in a kernel launch
@@ -677,15 +679,24 @@ Q8_MIN_BYTES_M1 = 4 << 20
 #: 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 / 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8;
 #: down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 / 60.  At batch 1 their FMA-path
 #: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.1,
-#: a tuned entry).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
+#: a tuned entry).  Session 13, same run, q8 with 8 rows per program / the fp32 decode: Q5_K batch 1 gate/up 10.0 /
+#: 10.7, down 8.8 / 9.5 (its tuned q8 entry, 16 rows), lm_head/8 51.9 / 70.0, so Q5_K takes it at batch 1 as Q4_K
+#: does (from Q8_MIN_BYTES_M1: q_b/8 6.4 / 5.9).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: (block_n, kbs, programs per SM aimed at) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.  Measured
 #: best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K: 64 rows per program read each
 #: activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32); at batch
 #: 8 fewer programs (gate/up 21.5 against 23.4 us).  Q5_K at 5..8 rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4
-#: took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).
-_Q8_TILE = {Q4_K: ((16, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: (None, (16, 4, 2), (16, 2, 2)),
+#: took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).  Batch 1, session 13, same run, 8 / 16 rows
+#: per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 / 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 /
+#: 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8 batch 4 62.0 against 63.6).
+_Q8_TILE = {Q4_K: ((8, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: ((8, 4, 8), (16, 4, 2), (16, 2, 2)),
             Q6_K: (None, (64, 2, 8), (64, 2, 2))}
+#: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
+#: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
+#: 3.8; batch 2 gate/up 9.2 / 9.4.  Not at batch 1 (gate/up 7.9 / 7.6, lm_head/8 32.0 / 32.6: a tie), nor at 8 rows
+#: (gate/up 15.4 / 12.8: 231 registers), nor for Q5_K (batch 4 gate/up 12.7 / 12.3, down 12.2 / 11.0).
+Q8_AHEAD = frozenset({Q4_K})
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
@@ -699,7 +710,8 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     """Launch parameters for an (M, K) x (N, K)^T product: the measured best for this device, shape and the smallest
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
-    Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K at batch 1 from Q8_MIN_BYTES_M1 of weight.  Neither for
+    Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
+    (``ahead`` for Q8_AHEAD types at 2..4 rows).  Neither for
     ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
@@ -711,16 +723,17 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     nb = K // BLOCK_SIZES[qtype][0]
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
-            1 < M <= Q8_MAX_M or (M == 1 and qtype == Q4_K and weight_bytes >= Q8_MIN_BYTES_M1)):
+            1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
         block_n, kbs, per_sm = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
         kbs = min(kbs, _pow2_at_most(nb))
         steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n)
         split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
         split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
-        # L2 prefetch as on the fp32 path, not for Q4_K (measured without) nor at 5..8 rows (Q6_K's tile then spills)
-        prefetch = int(qtype != Q4_K and M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
+        # L2 prefetch as on the fp32 path, not for Q4_K nor at batch 1 (measured without) nor at 5..8 rows (Q6_K's
+        # tile then spills)
+        prefetch = int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
         return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4, block_m=_pow2_at_least(M),
-                          prefetch=prefetch, q8=True)
+                          prefetch=prefetch, q8=True, ahead=qtype in Q8_AHEAD and 1 < M <= 4)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))
@@ -868,7 +881,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
 
         kbs = max(config.kbs, 2) if qtype == Q6_K else config.kbs  # Q6_K blocks are read in pairs
         return gguf_linear_q8(x, qweight, qtype, N, config.block_n, kbs, config.split_k, config.num_warps,
-                              config.prefetch, block_m=min(config.block_m, Q8_MAX_M, _pow2_at_least(M)))
+                              config.prefetch, block_m=min(config.block_m, Q8_MAX_M, _pow2_at_least(M)),
+                              ahead=config.ahead)
     G, T = tile_shape(qtype, config.kbs)
     use_dot = config.use_dot and x.dtype != torch.float32 and config.block_n >= 16 and G * T >= 16
     block_m = config.block_m if use_dot else 1
