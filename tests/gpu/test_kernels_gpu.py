@@ -279,7 +279,7 @@ def test_q8_dp4a_equals_its_emulation(qtype, M):
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
 def test_q8_loads_ahead_change_no_bit(qtype, M):
     """``ahead`` (K-step loads issued one step ahead into registers) compiled for the GPU: bit-identical to the plain
-    loop, with split-K ranges of 1-3 steps, a last step past the row and a partial row tile."""
+    loop, with split-K ranges of 2 to 4 steps, a last step past the row and a partial row tile."""
     from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
     x, w, _, _ = _linear_case(qtype, M, 301, 7 * 256, torch.bfloat16, seed=95 + M)

@@ -81,6 +81,8 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 @example(qtype=Q5_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q5_K expert down at batch 1 (8.7 MB)")
 @example(qtype=Q5_K, M=1, N=2048, blocks=8, dtype=torch.bfloat16).via("Q5_K q_b/8 at batch 1 (2.9 MB)")
 @example(qtype=Q4_K, M=4, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 4: loads ahead")
+@example(qtype=Q4_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 1: 8-row tiles")
+@example(qtype=Q4_K, M=8, N=2048, blocks=24, dtype=torch.bfloat16).via("Q4_K at 8 rows: no loads ahead")
 def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, blocks, dtype):
     """q8 (``gguf_gemv_q8``): Q4_K, Q5_K and Q6_K (rows of an even number of blocks), bf16/fp16 activations, batches
     2..Q8_MAX_M, and for Q4_K and Q5_K batch 1 from Q8_MIN_BYTES_M1 of weight, with M rounded up to a power of two
@@ -99,6 +101,7 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
         assert gpu.block_m == next(b for b in (1, 2, 4, 8) if b >= M)  # rows per program: the CUDA-graph size
         assert gpu.prefetch == int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
         assert gpu.ahead == (qtype == Q4_K and 1 < M <= 4)
+        assert gpu.block_n == (8 if M == 1 else 64 if qtype == Q6_K else 16)
         assert 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1 and (qtype != Q6_K or gpu.kbs % 2 == 0)
         if -(-N // gpu.block_n) >= 2 * 132:  # enough row tiles: no split-K
             assert gpu.split_k == 1, gpu

@@ -87,7 +87,7 @@ def _gemv_sig(qtype: int) -> dict:
 
 def _production_config(qtype: int, use_dot: bool) -> g.GemvConfig:
     """pick_config's tile for a 2048 x 6144 weight: at 16 bf16 rows (tensor cores), or at 1 fp32 row (the FMA path,
-    which bf16 Q4_K at batch 1 leaves to the int8-activation kernel for weights this large)."""
+    which bf16 Q4_K and Q5_K at batch 1 leave to the int8-activation kernel for weights this large)."""
     return g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132, torch.bfloat16 if use_dot else torch.float32)
 
 

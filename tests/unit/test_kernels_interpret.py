@@ -335,11 +335,13 @@ else:
     @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 5, dict(block_n=8, kbs=2, split_k=2)),
                                                 (3, 17, 7, dict(block_n=8, kbs=2, split_k=3)),
                                                 (5, 9, 3, dict(block_n=16, kbs=4, split_k=1, block_m=4)),
-                                                (2, 12, 4, dict(block_n=4, kbs=1, split_k=4))], ids=str)
+                                                (2, 12, 4, dict(block_n=4, kbs=1, split_k=4)),
+                                                (1, 11, 7, dict(block_n=8, kbs=1, split_k=2)),
+                                                (3, 10, 9, dict(block_n=8, kbs=2, split_k=1))], ids=str)
     @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
     def test_q8_loads_ahead_change_no_bit(qtype, M, N, blocks, cfg):
         """``ahead`` (each K step's loads issued one step ahead) only moves loads: bit-identical to the plain loop,
-        with split-K ranges of 1-3 steps, a last step past the row (blocks not a multiple of kbs), partial row tiles
+        with split-K ranges of 1 to 5 steps, a last step past the row (blocks not a multiple of kbs), partial row tiles
         and one or several activation rows per program; ``GemvConfig(ahead=True)`` through gguf_linear is the same
         call."""
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
@@ -351,6 +353,29 @@ else:
         assert torch.equal(gguf_linear(x, w, qtype, N, gcfg), gguf_linear_q8(x, w, qtype, N, **{"block_m": None,
                                                                                                  **cfg}))
         assert (y.double() - ref).abs().max() > 0  # the activations really were rounded
+
+    def test_q8_ahead_reaches_the_kernel(monkeypatch):
+        """``ahead`` is passed on to the kernel (the equality test above cannot see it ignored): through
+        ``gguf_linear_q8`` and ``GemvConfig.ahead``, for Q4_K and Q5_K only."""
+        import glm5serve.kernels.gguf_gemv_q8 as q8m
+
+        real, seen = q8m._gemv_q8_kernel, []
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen.append(kw["AHEAD"])
+                    return real[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(q8m, "_gemv_q8_kernel", Spy())
+        x, w, _, _ = _case(Q.Q4_K, M=2, N=8, K=_k(Q.Q4_K, 2), seed=7, dtype=torch.bfloat16)
+        gguf_linear(x, w, Q.Q4_K, 8, GemvConfig(block_n=8, kbs=1, q8=True, ahead=True))
+        q8m.gguf_linear_q8(x, w, Q.Q4_K, 8, block_n=8, kbs=1, ahead=True)
+        gguf_linear(x, w, Q.Q4_K, 8, GemvConfig(block_n=8, kbs=1, q8=True))
+        x6, w6, _, _ = _case(Q.Q6_K, M=2, N=8, K=_k(Q.Q6_K, 2), seed=8, dtype=torch.bfloat16)
+        q8m.gguf_linear_q8(x6, w6, Q.Q6_K, 8, block_n=8, kbs=2, ahead=True)
+        assert seen == [True, True, False, False]
 
     def test_q8_config_with_odd_kbs_reads_q6_k_in_pairs():
         """gguf_linear gives the Q6_K int8-activation kernel at least 2 blocks per step (it reads them in pairs):

@@ -674,14 +674,16 @@ Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
 #: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others, and for
 #: Q6_K rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K take it at batches 2..Q8_MAX_M,
-#: where their fp32 decode runs on the tensor cores.  H200, session 11, same run, microseconds, q8 at the tile below
+#: where their fp32 decode runs on the tensor cores (Q5_K also at batch 1 from Q8_MIN_BYTES_M1, below).  H200, session 11, same run, microseconds, q8 at the tile below
 #: / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 / 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8
 #: 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 / 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8;
 #: down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 / 60.  At batch 1 their FMA-path
 #: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.1,
-#: a tuned entry).  Session 13, same run, q8 with 8 rows per program / the fp32 decode: Q5_K batch 1 gate/up 10.0 /
-#: 10.7, down 8.8 / 9.5 (its tuned q8 entry, 16 rows), lm_head/8 51.9 / 70.0, so Q5_K takes it at batch 1 as Q4_K
-#: does (from Q8_MIN_BYTES_M1: q_b/8 6.4 / 5.9).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
+#: then a tuned q8 entry of 16 rows).  Session 13, same run, q8 with 8 rows per program / the production config of
+#: the time: Q5_K batch 1 gate/up 10.0 / 10.7 (fp32 decode), down 8.8 / 9.5 (that tuned entry, now dropped; 9.4
+#: in the tile sweep of the same run),
+#: lm_head/8 51.9 / 70.0 (fp32 decode), so Q5_K takes it at batch 1 as Q4_K does (from Q8_MIN_BYTES_M1: q_b/8 6.4 /
+#: 5.9).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: (block_n, kbs, programs per SM aimed at) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.  Measured
 #: best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K: 64 rows per program read each
@@ -694,8 +696,9 @@ _Q8_TILE = {Q4_K: ((8, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: ((8, 4, 8), (16, 4,
             Q6_K: (None, (64, 2, 8), (64, 2, 2))}
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
-#: 3.8; batch 2 gate/up 9.2 / 9.4.  Not at batch 1 (gate/up 7.9 / 7.6, lm_head/8 32.0 / 32.6: a tie), nor at 8 rows
-#: (gate/up 15.4 / 12.8: 231 registers), nor for Q5_K (batch 4 gate/up 12.7 / 12.3, down 12.2 / 11.0).
+#: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
+#: tie), nor at 8 rows (gate/up 14.1 / 12.8; 15.4 at the production tile, 231 registers), nor for Q5_K (batch 4
+#: gate/up 12.7 / 12.3, down 11.7 / 11.0).
 Q8_AHEAD = frozenset({Q4_K})
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
@@ -711,8 +714,8 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
-    (``ahead`` for Q8_AHEAD types at 2..4 rows).  Neither for
-    ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
+    (``ahead`` for Q8_AHEAD types at 2..4 rows).  Neither prefetch nor q8 for ``device_name`` "cpu" (the Triton
+    interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
     # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)

@@ -8,11 +8,13 @@ Why: the fp32 decode of ``gguf_gemv`` spends ~6-11 SASS instructions per weight,
 H200 below half of its memory bandwidth, and its tensor-core path for batches 2-16 pays a layout conversion per
 weight tile.  Here the codes stay packed: ``q & 0x0F0F0F0F`` is four Q4_K codes as bytes, and one ``dp4a``
 multiplies them with four int8 activations and adds the products (exact integer arithmetic), so the K loop costs
-~3 SASS instructions per weight (2.7 measured for sm_90, ``tests/unit/test_kernels_compile.py``).  The float work
+~3 SASS instructions per weight (2.7 measured for sm_90 with 16 weight rows per program, 3.3 with the 8 of batch 1,
+``tests/unit/test_kernels_compile.py``).  The float work
 is per (row, 16- or 32-weight sub-block).  From batch 2 a program takes several activation rows (``block_m``, as
 MMVQ's ``ncols_y``) and unpacks each weight word once for all of them; a further row then costs ~0.5 instructions
-per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200: expert gate/up 11.5 us at
-batch 4, 8.5 at batch 1, where a program per row took 22.8).
+per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200, session 7: expert gate/up
+11.5 us at batch 4, 8.5 at batch 1, where a program per row took 22.8; session 13, with 8-row tiles at batch 1 and
+loads one step ahead at batch 4: 7.6 and 10.5).
 
 Q5_K adds its fifth bit from qh to each code byte.  Q6_K's 210-byte blocks are only 2-byte aligned, so they are
 read in pairs (105 int32 words; rows of an even number of blocks): the second block's words are shifted into place
@@ -201,6 +203,8 @@ def _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr,
         j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh = _load_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, xw_ptr,
                                                                           xd_ptr, xs_ptr, KBS)
         for b0 in range(blk_begin, blk_end, KBS):
+            if PREFETCH > 0:
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
             nj, n0, n1, n2, n3, nq, nxl, nxh, ndl, ndh, nsl, nsh = _load_q4_k_q8(row_ptr, rmask, b0 + KBS, blk_end,
                                                                                 xw_ptr, xd_ptr, xs_ptr, KBS)
             acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh, EMULATE)
@@ -438,12 +442,16 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
         y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
                          xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE, AHEAD)[None, :]
     elif AHEAD and QTYPE != 14:
+        for d in tl.static_range(1, PREFETCH):
+            _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
         mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mmask = mrow < M
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, 4 * KBS], dtype=tl.float32)
         j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = _load_kquant_q8_rows(
             row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS, QTYPE == 13)
         for b0 in range(blk_begin, blk_end, KBS):
+            if PREFETCH > 0:
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QTYPE, KBS)
             nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh = _load_kquant_q8_rows(
                 row_ptr, rmask, b0 + KBS, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, mrow, mmask, KBS, QTYPE == 13)
             acc3 = _math_kquant_q8_rows(acc3, j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh, QTYPE == 13, EMULATE)
