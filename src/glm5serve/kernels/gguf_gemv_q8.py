@@ -119,19 +119,20 @@ def _dp4a(a, b, c, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _kquant_words(row_ptr, rmask, b0, nb, KBS: tl.constexpr, FIVE: tl.constexpr = False):
+def _kquant_words(row_ptr, rmask, b0, end, KBS: tl.constexpr, FIVE: tl.constexpr = False):
     """The words of KBS Q4_K (36 int32 each) or, FIVE, Q5_K (44) super-blocks from b0 of BLOCK_N rows: with g < 4 KBS
     (super-block kb = b0 + g // 4, qs chunk j = g % 4) and t < 8, header words h0..h3 [BLOCK_N, 4 KBS] (d|dmin, 12
     scale bytes) and qs words q [BLOCK_N, 4 KBS, 8] = word 8j + t of the 32 (``_step_q4_k_q8`` gives their layout);
     for Q5_K also qh = qh word t >> 2j, whose bits 8b and 8b + 1 are the fifth bits of the codes in byte b of q
-    (low and high nibble), else qh = q."""
+    (low and high nibble), else qh = q.  Super-blocks from ``end`` (the row's or a split-K range's end) are masked
+    off, and bmask [4 KBS] says which are not."""
     WORDS: tl.constexpr = 44 if FIVE else 36
     QS: tl.constexpr = 12 if FIVE else 4
     g = tl.arange(0, 4 * KBS)
     t = tl.arange(0, 8)
     kb = b0 + g // 4
     j = g % 4
-    bmask = kb < nb
+    bmask = kb < end
     wmask = rmask[:, None] & bmask[None, :]
     blk = row_ptr[:, None] + kb[None, :] * WORDS
     h0 = tl.load(blk, mask=wmask, other=0)
