@@ -250,7 +250,6 @@ def _load_kquant_q8_rows(row_ptr, rmask, b0, end, nb, xw_ptr, xd_ptr, xs_ptr, mr
                          FIVE: tl.constexpr):
     """The loads of ``_step_kquant_q8_rows`` (super-blocks from ``end`` masked off)."""
     kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, end, KBS, FIVE)
-    G: tl.constexpr = q.shape[1]
     xo = (mrow * nb * 64)[:, None, None] + ((kb * 64 + j * 16)[:, None] + t[None, :])[None, :, :]
     xmask = mmask[:, None, None] & bmask[None, :, None]
     xlw = tl.load(xw_ptr + xo, mask=xmask, other=0)
