@@ -694,6 +694,15 @@ Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8 batch 4 62.0 against 63.6).
 _Q8_TILE = {Q4_K: ((8, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: ((8, 4, 8), (16, 4, 2), (16, 2, 2)),
             Q6_K: (None, (64, 2, 8), (64, 2, 2))}
+#: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where that many rows per program still give
+#: >= 2 programs per SM (no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
+#: 64-row tile above, us): lm_head/8 88.4 / 107.9 (that shape's tuned entry, now dropped), expert down 13.8 / 14.9;
+#: expert gate/up (2048 rows: 256 programs, 4-way split-K) 15.7 / 15.1, so it keeps the 64-row tile.  At batch 2
+#: (second run of the session): down 12.5 / 12.9, lm_head/8 79.3 / 78.7 (the 64-row heuristic; best of the sweep
+#: 73.1, 64 rows, kbs 4, 3-way split-K).  Not at 5..8 rows, where the sweep's best differs by shape (same run, us,
+#: against production: gate/up 18.7 / 21.3 and down 16.8 / 21.2 with 8 rows, lm_head/8 126.3 / 182.0 with 64 rows
+#: and 4-way split-K), not yet a rule.
+_Q8_MANY_ROWS_TILE = {Q6_K: (8, 4, 2)}
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
 #: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
@@ -714,7 +723,8 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
-    (``ahead`` for Q8_AHEAD types at 2..4 rows).  Neither prefetch nor q8 for ``device_name`` "cpu" (the Triton
+    (``ahead`` for Q8_AHEAD types at 2..4 rows; there Q6_K takes ``_Q8_MANY_ROWS_TILE`` where N / 8 rows give >= 2
+    programs per SM).  Neither prefetch nor q8 for ``device_name`` "cpu" (the Triton
     interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
@@ -728,6 +738,10 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
             1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
         block_n, kbs, per_sm = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
+        num_warps = 4
+        many = _Q8_MANY_ROWS_TILE.get(qtype) if 1 < M <= 4 else None
+        if many and triton.cdiv(N, many[0]) >= 2 * sms:
+            block_n, kbs, num_warps = many
         kbs = min(kbs, _pow2_at_most(nb))
         steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n)
         split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
@@ -735,7 +749,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         # L2 prefetch as on the fp32 path, not for Q4_K nor at batch 1 (measured without) nor at 5..8 rows (Q6_K's
         # tile then spills)
         prefetch = int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
-        return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=4, block_m=_pow2_at_least(M),
+        return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=_pow2_at_least(M),
                           prefetch=prefetch, q8=True, ahead=qtype in Q8_AHEAD and 1 < M <= 4)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
