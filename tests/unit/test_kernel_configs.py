@@ -87,6 +87,9 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 @example(qtype=Q6_K, M=2, N=6144, blocks=8, dtype=torch.bfloat16).via("Q6_K expert down at batch 2: 8-row tiles")
 @example(qtype=Q6_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q6_K expert gate/up at batch 4: 64 rows")
 @example(qtype=Q6_K, M=8, N=19360, blocks=24, dtype=torch.bfloat16).via("Q6_K lm_head/8 at 8 rows: 64 rows")
+@example(qtype=Q6_K, M=3, N=2112, blocks=8, dtype=torch.bfloat16).via("Q6_K: exactly 2 tiles of 8 rows per SM")
+@example(qtype=Q6_K, M=3, N=2104, blocks=8, dtype=torch.bfloat16).via("Q6_K: one tile of 8 rows short of 2 per SM")
+@example(qtype=Q6_K, M=4, N=6144, blocks=2, dtype=torch.float16).via("Q6_K 8-row tiles on rows of 2 blocks: kbs 2")
 def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, blocks, dtype):
     """q8 (``gguf_gemv_q8``): Q4_K, Q5_K and Q6_K (rows of an even number of blocks), bf16/fp16 activations, batches
     2..Q8_MAX_M, and for Q4_K and Q5_K batch 1 from Q8_MIN_BYTES_M1 of weight, with M rounded up to a power of two
@@ -113,6 +116,13 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
         assert 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1 and (qtype != Q6_K or gpu.kbs % 2 == 0)
         if -(-N // gpu.block_n) >= 2 * 132:  # enough row tiles: no split-K
             assert gpu.split_k == 1, gpu
+
+
+def test_q6_k_tiles_of_8_rows_follow_the_sm_count():
+    """Q6_K at 2..4 rows takes 8-row tiles where cdiv(N, 8) >= 2 programs per SM of *this* GPU: the 2048 rows of
+    expert gate/up fill a 66-SM GPU that way but not a 132-SM one."""
+    assert [pick_config(Q6_K, 4, 2048, 6144, sms, torch.bfloat16, "").block_n for sms in (66, 128, 129, 132)] == [
+        8, 8, 64, 64]
 
 
 @given(N=st.integers(1, 40000), blocks=st.integers(1, 64))

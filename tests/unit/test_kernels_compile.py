@@ -235,7 +235,7 @@ Q8_BUDGET = {(g.Q4_K, 1): 3.8, (g.Q4_K, 2): 4.0, (g.Q4_K, 4): 5.5, (g.Q4_K, 8): 
              (g.Q5_K, 1): 5.0, (g.Q5_K, 2): 4.9, (g.Q5_K, 4): 6.5, (g.Q5_K, 8): 10.8,
              (g.Q6_K, 2): 3.9, (g.Q6_K, 4): 5.1, (g.Q6_K, 8): 8.3}
 #: the same for Q6_K's tile of 8 rows, kbs 4 and 2 warps at 2..4 rows where N / 8 fills the GPU (lm_head/8,
-#: 19360 x 6144): 4.0 and 5.4 measured, 80 registers
+#: 19360 x 6144; no split-K, L2 prefetch): 4.0 and 5.4 measured, 80 registers
 Q8_MANY_ROWS_BUDGET = {(g.Q6_K, 2): 4.3, (g.Q6_K, 4): 5.8}
 Q8_CASES = ([(q, m, 2048) for q, m in sorted(Q8_BUDGET)]
             + [(q, m, 19360) for q, m in sorted(Q8_MANY_ROWS_BUDGET)])
@@ -262,7 +262,9 @@ def test_q8_kernel_uses_dp4a_within_budget(qtype, M, N):
     cfg = g.pick_config(qtype, M, N, 6144, 132)
     many = N != 2048
     assert cfg.q8 and cfg.block_m == M and cfg.num_warps == (2 if many else 4), cfg
-    sass, usage = _sass(_q8_kernel(qtype, cfg.block_m, cfg.block_n, cfg.kbs, 4, 0, cfg.ahead, cfg.num_warps))
+    split_k, prefetch = (cfg.split_k, cfg.prefetch) if many else (4, 0)  # many: the production launch (no split-K)
+    sass, usage = _sass(_q8_kernel(qtype, cfg.block_m, cfg.block_n, cfg.kbs, split_k, prefetch, cfg.ahead,
+                                   cfg.num_warps))
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     weights = cfg.block_n * cfg.kbs * 256 / (32 * cfg.num_warps)  # per thread and K step
