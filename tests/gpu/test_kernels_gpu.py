@@ -130,7 +130,7 @@ GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 
 }
 
 
-@pytest.mark.parametrize("M", (1, 3, 4, 8, 16))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 8, 16))  # 2: tuned entries of batch 2 (Q6_K lm_head/8)
 @pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0), ids=lambda q: q.name)
 def test_gemv_glm5_shapes_production_config(qtype, shape, M):
