@@ -13,7 +13,8 @@ Run on a GPU host (one command, about 5 minutes on an H200)::
     GLM5SERVE_BENCH_OUT=bench python -m pytest tests/gpu/test_bench_kernels.py -m gpu -q -s -k "not sweep"
 
 It writes ``bench_kernels.md`` / ``.json`` into ``$GLM5SERVE_BENCH_OUT`` (and prints the table).  The opt-in
-sweep (``GLM5SERVE_BENCH_SWEEP=1 ... -k sweep``; types from ``GLM5SERVE_BENCH_SWEEP_TYPES``, default Q4_K) times
+sweep (``GLM5SERVE_BENCH_SWEEP=1 ... -k sweep``; types from ``GLM5SERVE_BENCH_SWEEP_TYPES``, default Q4_K, batches from
+``GLM5SERVE_BENCH_SWEEP_BATCHES``, default 1,4,16; the int8-activation path included for its types) times
 a grid of launch configs per shape and batch and writes ``tuned/<device>.json``; copied to
 ``src/glm5serve/kernels/tuned/`` it makes ``pick_config`` use the measured best.
 """
@@ -33,7 +34,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
-from glm5serve.kernels.gguf_gemv import _device_info
+from glm5serve.kernels.gguf_gemv import PREFETCH_MIN_BYTES, Q8_MAX_M, _device_info, _q8_applies
 from glm5serve.kernels.testing import random_qweight_torch
 from glm5serve.testing.gpu_timing import copy_bandwidth, graph_us
 
@@ -285,10 +286,25 @@ def _sweep_grid(qtype, M, N, K, sms):
                     for warps in (4, 8):
                         grid.append(GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=warps,
                                                use_dot=use_dot))
+    if M <= Q8_MAX_M and _q8_applies(int(qtype), nb):  # int8 activations (session 14 found 8-row, 2-warp tiles here)
+        big = _qbytes(qtype, N, K) >= PREFETCH_MIN_BYTES
+        for block_n in (8, 16, 32, 64):
+            for kbs in (2, 4):
+                if kbs > nb:
+                    continue
+                steps = math.ceil(nb / kbs)
+                for per_sm in (2, 8):
+                    split = max(1, min(steps, math.ceil(per_sm * sms / math.ceil(N / block_n))))
+                    for warps in (2, 4):
+                        for prefetch in ((0, 1) if big else (0,)):
+                            for ahead in ((False, True) if qtype in (Q.Q4_K, Q.Q5_K) and M > 1 else (False,)):
+                                grid.append(GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=warps,
+                                                       prefetch=prefetch, q8=True, ahead=ahead))
     return list(dict.fromkeys(grid))
 
 
 SWEEP_TYPES = [Q[t] for t in os.environ.get("GLM5SERVE_BENCH_SWEEP_TYPES", "Q4_K").split(",")]
+SWEEP_BATCHES = [int(m) for m in os.environ.get("GLM5SERVE_BENCH_SWEEP_BATCHES", "1,4,16").split(",")]
 
 
 @pytest.fixture(scope="module")
@@ -301,11 +317,12 @@ def sweep_table():
         path = Path(out) / "tuned" / f"{device}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), configs={
-            k: v["config"] for k, v in table.items()}, timings_us={k: v["us"] for k, v in table.items()}), indent=1))
+            k: v["config"] for k, v in table.items()}, timings_us={k: v["us"] for k, v in table.items()},
+            heuristic_us={k: v["heuristic_us"] for k, v in table.items()}), indent=1))
 
 
 @pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
-@pytest.mark.parametrize("M", BATCHES)
+@pytest.mark.parametrize("M", SWEEP_BATCHES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("qtype", SWEEP_TYPES, ids=lambda q: q.name)
 def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
@@ -324,7 +341,8 @@ def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
     default = pick_config.__wrapped__(qtype, M, N, K, sms, x.dtype)  # the heuristic, ignoring tuned files
     default_us = timings.get(default) or _graph_us([functools.partial(gguf_linear, x, w, qtype, N, default)
                                                     for w in ws])[0]
-    sweep_table[f"{int(qtype)},{M},{N},{K}"] = dict(config=dataclasses.asdict(best), us=timings[best])
+    sweep_table[f"{int(qtype)},{M},{N},{K}"] = dict(config=dataclasses.asdict(best), us=timings[best],
+                                                   heuristic_us=default_us)
     print(f"\n{qtype.name} {shape} M={M}: best {timings[best]:.1f} us {best}; heuristic {default_us:.1f} us")
     del ws
     torch.cuda.empty_cache()
