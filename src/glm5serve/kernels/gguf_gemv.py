@@ -701,9 +701,9 @@ _Q8_TILE = {Q4_K: ((8, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: ((8, 4, 8), (16, 4,
 #: 64-row tile above, us): lm_head/8 88.4 (89.0 with the L2 prefetch it keeps there) / 107.9 (that shape's tuned
 #: entry, now dropped), expert down 13.8 / 14.9; expert gate/up (2048 rows: 256 tiles, 3-way split-K) 15.8 / 15.1,
 #: so it keeps the 64-row tile.  At batch 2 (second run of the session): down 12.5 / 12.9, lm_head/8 79.3 / 78.7
-#: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  Not at 5..8 rows, where the sweep's best differs by shape (same run, us,
-#: against production: gate/up 18.7 / 21.3 and down 16.8 / 21.2 with 8 rows, lm_head/8 126.3 / 182.0 with 64 rows
-#: and 4-way split-K), not yet a rule.
+#: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  Not at
+#: 5..8 rows, where the sweep's best differs by shape (same run, us, against production: gate/up 18.7 / 21.3 and
+#: down 16.8 / 21.2 with 8 rows, lm_head/8 126.3 / 182.0 with 64 rows and 4-way split-K), not yet a rule.
 _Q8_MANY_ROWS_TILE = {Q6_K: (8, 4, 2)}
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
