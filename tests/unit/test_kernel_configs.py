@@ -86,7 +86,8 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 @example(qtype=Q6_K, M=4, N=19360, blocks=24, dtype=torch.bfloat16).via("Q6_K lm_head/8 at batch 4: 8-row tiles")
 @example(qtype=Q6_K, M=2, N=6144, blocks=8, dtype=torch.bfloat16).via("Q6_K expert down at batch 2: 8-row tiles")
 @example(qtype=Q6_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q6_K expert gate/up at batch 4: 64 rows")
-@example(qtype=Q6_K, M=8, N=19360, blocks=24, dtype=torch.bfloat16).via("Q6_K lm_head/8 at 8 rows: 64 rows")
+@example(qtype=Q6_K, M=8, N=19360, blocks=24, dtype=torch.bfloat16).via("Q6_K lm_head/8 at 8 rows: 8-row tiles")
+@example(qtype=Q6_K, M=5, N=2048, blocks=24, dtype=torch.bfloat16).via("Q6_K expert gate/up at 5 rows: 8-row tiles")
 @example(qtype=Q6_K, M=3, N=2112, blocks=8, dtype=torch.bfloat16).via("Q6_K: exactly 2 tiles of 8 rows per SM")
 @example(qtype=Q6_K, M=3, N=2104, blocks=8, dtype=torch.bfloat16).via("Q6_K: one tile of 8 rows short of 2 per SM")
 @example(qtype=Q6_K, M=4, N=6144, blocks=2, dtype=torch.float16).via("Q6_K 8-row tiles on rows of 2 blocks: kbs 2")
@@ -94,9 +95,9 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
     """q8 (``gguf_gemv_q8``): Q4_K, Q5_K and Q6_K (rows of an even number of blocks), bf16/fp16 activations, batches
     2..Q8_MAX_M, and for Q4_K and Q5_K batch 1 from Q8_MIN_BYTES_M1 of weight, with M rounded up to a power of two
     rows per program; never chosen for the interpreter; L2 prefetch only for the other types' weights of
-    PREFETCH_MIN_BYTES or more at 2..4 rows; loads one step ahead for Q4_K at 2..4 rows; for Q6_K at 2..4 rows
-    tiles of 8 rows (kbs 4, 2 warps) where they alone give >= 2 programs per SM; split-K only while the programs
-    do not fill the GPU (>= 2 per SM)."""
+    PREFETCH_MIN_BYTES or more at 2..4 rows; loads one step ahead for Q4_K at 2..4 rows; for Q6_K tiles of 8 rows
+    (kbs 4, 2 warps) at 5..8 rows and at 2..4 rows where they alone give >= 2 programs per SM; split-K only while the
+    programs do not fill the GPU (>= 2 per SM)."""
     qk, qb = BLOCK_SIZES[qtype]
     K = blocks * qk
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
@@ -109,7 +110,8 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
         assert gpu.block_m == next(b for b in (1, 2, 4, 8) if b >= M)  # rows per program: the CUDA-graph size
         assert gpu.prefetch == int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
         assert gpu.ahead == (qtype == Q4_K and 1 < M <= 4)
-        many = qtype == Q6_K and 1 < M <= 4 and -(-N // 8) >= 2 * 132  # 8-row tiles still fill the GPU
+        # 8-row tiles: Q6_K at 5..8 rows, and at 2..4 rows where they still fill the GPU
+        many = qtype == Q6_K and 1 < M and (M > 4 or -(-N // 8) >= 2 * 132)
         assert gpu.block_n == (8 if M == 1 or many else 64 if qtype == Q6_K else 16)
         assert (gpu.num_warps, gpu.kbs if many else None) == ((2, min(4, 1 << blocks.bit_length() - 1)) if many
                                                              else (4, None))

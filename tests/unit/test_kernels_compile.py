@@ -229,7 +229,8 @@ def test_tuned_configs_compile_without_spills(key):
 #: rows per program), measured (triton 3.8): Q4_K 3.3 (8 weight rows per program; 2.7 with 16), 3.4 and 4.6 (loads
 #: one step ahead), 6.2: rows after the first cost ~0.5 per weight each (two dp4a per word of 8 weights), against 2.7
 #: for a program per row (each decoding the weights again); Q5_K 4.4 (8 weight rows), 4.3, 5.4 and, with kbs 2
-#: (kbs 4: 7.3 with a stack frame), 9.5 at 8 rows; Q6_K (64 rows per program) 3.4, 4.4, 7.2.  Budgets: ~+15 %
+#: (kbs 4: 7.3 with a stack frame), 9.5 at 8 rows; Q6_K (64 rows per program) 3.4, 4.4, and at 8 rows (8 rows per
+#: program, kbs 4, 2 warps, 3-way split-K) 7.5 (7.2 with the 64-row tile it replaced).  Budgets: ~+15 %
 #: (Q4_K's: +15-30 %).
 Q8_BUDGET = {(g.Q4_K, 1): 3.8, (g.Q4_K, 2): 4.0, (g.Q4_K, 4): 5.5, (g.Q4_K, 8): 7.5,
              (g.Q5_K, 1): 5.0, (g.Q5_K, 2): 4.9, (g.Q5_K, 4): 6.5, (g.Q5_K, 8): 10.8,
@@ -261,7 +262,7 @@ def test_q8_kernel_uses_dp4a_within_budget(qtype, M, N):
     path ~8-17 per weight for 16 rows)."""
     cfg = g.pick_config(qtype, M, N, 6144, 132)
     many = N != 2048
-    assert cfg.q8 and cfg.block_m == M and cfg.num_warps == (2 if many else 4), cfg
+    assert cfg.q8 and cfg.block_m == M and cfg.num_warps == (2 if many or (qtype == g.Q6_K and M > 4) else 4), cfg
     split_k, prefetch = (cfg.split_k, cfg.prefetch) if many else (4, 0)  # many: the production launch (no split-K)
     sass, usage = _sass(_q8_kernel(qtype, cfg.block_m, cfg.block_n, cfg.kbs, split_k, prefetch, cfg.ahead,
                                    cfg.num_warps))

@@ -672,38 +672,40 @@ _DEQUANT_TILE = {**_FMA_TILE, Q6_K: (16, 4)}
 #: 22.9, down 21.3 / 22.6, q_b/8 at 12 rows 11.0 / 10.1), so batches past 8 stay on them.
 Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
-#: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others, and for
-#: Q6_K rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K take it at batches 2..Q8_MAX_M,
-#: where their fp32 decode runs on the tensor cores (Q5_K also at batch 1 from Q8_MIN_BYTES_M1, below).  H200, session 11, same run, microseconds, q8 at the tile below
-#: / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 / 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8
-#: 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 / 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8;
-#: down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 / 60 (session 14: 89 with
-#: ``_Q8_MANY_ROWS_TILE``, below).  At batch 1 their FMA-path
-#: decode was as fast or faster (Q6_K gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.1,
-#: then a tuned q8 entry of 16 rows).  Session 13, same run, q8 with 8 rows per program / the production config of
-#: the time: Q5_K batch 1 gate/up 10.0 / 10.7 (fp32 decode), down 8.8 / 9.5 (that tuned entry, now dropped; 9.4
-#: in the tile sweep of the same run),
-#: lm_head/8 51.9 / 70.0 (fp32 decode), so Q5_K takes it at batch 1 as Q4_K does (from Q8_MIN_BYTES_M1: q_b/8 6.4 /
-#: 5.9).  Q8_0 has none (measured slower, ``gguf_gemv_q8``).
+#: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others, and for Q6_K
+#: rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K take it at batches 2..Q8_MAX_M, where
+#: their fp32 decode runs on the tensor cores (Q5_K also at batch 1 from Q8_MIN_BYTES_M1, below).  H200, session 11,
+#: same run, microseconds, q8 at the tile below / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 /
+#: 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 /
+#: 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8; down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 /
+#: 60 (session 14: 89 with ``_Q8_MANY_ROWS_TILE``, below).  At batch 1 their FMA-path decode was as fast or faster (Q6_K
+#: gate/up 13.2 / 10.7, Q5_K gate/up 11.3 / 10.8), except Q5_K down (9.7 / 11.1, then a tuned q8 entry of 16 rows).
+#: Session 13, same run, q8 with 8 rows per program / the production config of the time: Q5_K batch 1 gate/up 10.0 /
+#: 10.7 (fp32 decode), down 8.8 / 9.5 (that tuned entry, now dropped; 9.4 in the tile sweep of the same run), lm_head/8
+#: 51.9 / 70.0 (fp32 decode), so Q5_K takes it at batch 1 as Q4_K does (from Q8_MIN_BYTES_M1: q_b/8 6.4 / 5.9).  Q8_0
+#: has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
-#: (block_n, kbs, programs per SM aimed at) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.  Measured
-#: best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K: 64 rows per program read each
-#: activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32); at batch
-#: 8 fewer programs (gate/up 21.5 against 23.4 us).  Q5_K at 5..8 rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4
-#: took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).  Batch 1, session 13, same run, 8 / 16 rows
-#: per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 / 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 /
-#: 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8 batch 4 62.0 against 63.6).  Q6_K at
-#: 2..4 rows on weights of many rows: ``_Q8_MANY_ROWS_TILE`` instead.
-_Q8_TILE = {Q4_K: ((8, 4, 8), (16, 4, 2), (16, 4, 2)), Q5_K: ((8, 4, 8), (16, 4, 2), (16, 2, 2)),
-            Q6_K: (None, (64, 2, 8), (64, 2, 2))}
+#: (block_n, kbs, programs per SM aimed at, num_warps) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.
+#: Measured best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K at 2..4 rows: 64 rows per program
+#: read each activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32).
+#: Q6_K at 5..8 rows: 8 rows, kbs 4, 2 warps (session 15, same run, against the 64-row tile with 2 programs per SM it
+#: replaced, us, batch 5 / 8): expert gate/up 16.8 / 19.0 against 21.1 / 21.5, down 15.4 / 16.9 against 21.0 / 21.5,
+#: lm_head/8 128.5 / 146.9 against 178.8 / 182.8, q_b/8 9.6 / 10.1 against 11.0 / 11.2, expert gate+up/8 9.1 / 9.4
+#: against 11.0 / 11.1 (the batch-8 sweep of that session found the same tile for gate/up and down; for lm_head/8 it
+#: found 64 rows with 4-way split-K and L2 prefetch, 125.5 us, which spills 8 bytes with Triton 3.8).  Q5_K at 5..8
+#: rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4 took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).
+#: Batch 1, session 13, same run, 8 / 16 rows per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 /
+#: 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 / 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8
+#: batch 4 62.0 against 63.6).  Q6_K at 2..4 rows on weights of many rows: ``_Q8_MANY_ROWS_TILE`` instead.
+_Q8_TILE = {Q4_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 2, 2, 4)),
+            Q6_K: (None, (64, 2, 8, 4), (8, 4, 8, 2))}
 #: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where cdiv(N, block_n) row tiles alone give
 #: >= 2 programs per SM (so no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
 #: 64-row tile above, us): lm_head/8 88.4 (89.0 with the L2 prefetch it keeps there) / 107.9 (that shape's tuned
 #: entry, now dropped), expert down 13.8 / 14.9; expert gate/up (2048 rows: 256 tiles, 3-way split-K) 15.8 / 15.1,
 #: so it keeps the 64-row tile.  At batch 2 (second run of the session): down 12.5 / 12.9, lm_head/8 79.3 / 78.7
-#: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  Not at
-#: 5..8 rows, where the sweep's best differs by shape (same run, us, against production: gate/up 18.7 / 21.3 and
-#: down 16.8 / 21.2 with 8 rows, lm_head/8 126.3 / 182.0 with 64 rows and 4-way split-K), not yet a rule.
+#: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  At 5..8
+#: rows Q6_K takes the same tile on every shape (``_Q8_TILE``).
 _Q8_MANY_ROWS_TILE = {Q6_K: (8, 4, 2)}
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
@@ -725,9 +727,9 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
-    (``ahead`` for Q8_AHEAD types at 2..4 rows; there Q6_K takes tiles of 8 rows, kbs 4 and 2 warps where
-    cdiv(N, 8) row tiles give >= 2 programs per SM).  Neither prefetch nor q8 for ``device_name`` "cpu" (the Triton
-    interpreter has no inline PTX; it runs ``q8`` only when asked)."""
+    (``ahead`` for Q8_AHEAD types at 2..4 rows; Q6_K takes tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at
+    2..4 rows where cdiv(N, 8) row tiles give >= 2 programs per SM).  Neither prefetch nor q8 for ``device_name``
+    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
     # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)
@@ -739,8 +741,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
             1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
-        block_n, kbs, per_sm = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
-        num_warps = 4
+        block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
         many = _Q8_MANY_ROWS_TILE.get(qtype) if 1 < M <= 4 else None
         if many and triton.cdiv(N, many[0]) >= 2 * sms:
             block_n, kbs, num_warps = many
