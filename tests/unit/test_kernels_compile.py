@@ -213,7 +213,7 @@ def test_tuned_configs_compile_without_spills(key):
     cfg = g.tuned_configs("NVIDIA_H200")[key]
     if cfg.q8:  # the int8-activation kernel, with the rows per program gguf_linear gives it at batch M
         k = _q8_kernel(qtype, min(cfg.block_m, g.Q8_MAX_M, g._pow2_at_least(M)), cfg.block_n, cfg.kbs, cfg.split_k,
-                       cfg.prefetch)
+                       cfg.prefetch, cfg.ahead, cfg.num_warps)
         assert int(re.search(r"STACK:(\d+)", _sass(k)[1]).group(1)) == 0
         return
     G, T = g.tile_shape(qtype, cfg.kbs)
