@@ -6,7 +6,9 @@ pay; Python and launch overhead are not measured), call i on weight copy i mod n
 (4x the 60 MB L2) so every call streams its weight from HBM.  Time per call = median over ``REPLAYS`` replays
 (CUDA events) / CALLS.  Copy bandwidth counts bytes read + written by a 1 GiB device-to-device copy; a GEMV's
 bandwidth counts the weight bytes it reads.  Weights are random codes with sane fp16 scales (speed does not
-depend on the values); each case first checks glm5serve's output against dequantize + fp32 matmul.
+depend on the values); each case first checks glm5serve's output against dequantize + fp32 matmul.  glm5serve
+reads each weight as it serves it: Q4_0/Q5_0/Q8_0 regrouped into split rows (``kernels.gguf_split.as_served``, what
+the model loader does); the plugin and cuBLAS columns read the GGUF rows and bf16 weights.
 
 Run on a GPU host (one command, about 5 minutes on an H200)::
 
@@ -34,7 +36,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
-from glm5serve.kernels.gguf_gemv import PREFETCH_MIN_BYTES, Q8_MAX_M, _device_info, _q8_applies
+from glm5serve.kernels.gguf_gemv import PREFETCH_MIN_BYTES, Q8_MAX_M, SPLIT_QTYPES, _device_info, _q8_applies
+from glm5serve.kernels.gguf_split import as_served, pick_split_config
 from glm5serve.kernels.testing import random_qweight_torch
 from glm5serve.testing.gpu_timing import copy_bandwidth, graph_us
 
@@ -143,11 +146,12 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
     x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
     W = dequantize(ws[0], qtype, dtype=torch.float32)
     ref = x.float() @ W.T
-    got = gguf_linear(x, ws[0], qtype, N).float()
+    served = [as_served(w, qtype, K) for w in ws]  # as the model loader leaves them (Q4_0/Q5_0/Q8_0: split rows)
+    got = gguf_linear(x, served[0][0], served[0][1], N).float()
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, f"glm5serve GEMV relative error {rel:.3g}"
 
-    ours_us, graph = _graph_us([functools.partial(gguf_linear, x, w, qtype, N) for w in ws])
+    ours_us, graph = _graph_us([functools.partial(gguf_linear, x, w, t, N) for w, t in served])
     plugin, backend = _plugin_gemv()
     plugin_us, plugin_err = (None, backend) if plugin is None else _try_time(
         lambda: [functools.partial(plugin, w, x, qtype, N) for w in ws])
@@ -161,11 +165,12 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
                ours_GBps=qbytes / ours_us / 1e3, copy_fraction=qbytes / (ours_us * 1e-6) / copy_bw,
                x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=cublas_us / ours_us,
                plugin=backend if plugin_err is None else plugin_err, rel_err=rel,
-               config=str(pick_config(qtype, M, N, K, sms, x.dtype, _device_info(x.device)[1])))
+               config=str(pick_split_config(served[0][1], M, N, K, sms) if served[0][1] in SPLIT_QTYPES
+                          else pick_config(qtype, M, N, K, sms, x.dtype, _device_info(x.device)[1])))
     results.add(row)
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, iterations=1)
-    del ws, wbs, graph
+    del ws, wbs, graph, served
     torch.cuda.empty_cache()
 
 

@@ -24,6 +24,7 @@ from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 from glm5serve.kernels.gguf_moe import per_pair
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _q8_applies
+from glm5serve.kernels.gguf_split import as_served, gguf_linear_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
@@ -150,6 +151,79 @@ def test_gemv_glm5_shapes_production_config(qtype, shape, M):
         _assert_close(y, ref, bound, 2.0 ** -16, f"{qtype.name} {shape} M={M} q8", extra=q8)
     else:
         _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
+
+
+SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(qtype=st.sampled_from(SPLIT_TYPES), blocks=st.one_of(st.sampled_from((2, 4, 6, 8, 64, 192)),
+                                                              st.integers(1, 40).map(lambda b: 2 * b)),
+       N=st.one_of(st.sampled_from(BOUNDARY_N), st.integers(1, 700)),
+       M=st.one_of(st.sampled_from((1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 64, 300)), st.integers(1, 16)),
+       dtype=st.sampled_from(DTYPES), tile=st.one_of(st.none(), st.tuples(
+           st.sampled_from((8, 16, 32, 64)), st.sampled_from((1, 2, 4, 8, 16)), st.integers(1, 5),
+           st.sampled_from((2, 4)))), seed=st.integers(0, 2**31))
+def test_split_rows_gemv_matches_gguf_py(qtype, blocks, N, M, dtype, tile, seed):
+    """gguf_linear on split rows (``gguf_split``: Q8_0/Q4_0/Q5_0 regrouped at load) against gguf-py's dequantizer of
+    the GGUF rows + fp64 matmul: within the int8 activation bound + fp32 sums up to 16 rows (drawn tiles, split-K,
+    block boundaries, odd batches), and the tensor-core budget past them (dequantize + cuBLAS; any M: the plugin
+    cannot read split rows)."""
+    K = 32 * blocks
+    x, w, ref, bound = _linear_case(qtype, M, N, K, dtype, seed)
+    cfg = None
+    if tile is not None and M <= 16:
+        bn, kbs, split, warps = tile
+        cfg = GemvConfig(block_n=bn, kbs=kbs, split_k=split, num_warps=warps,
+                         block_m=min(16, 1 << (M - 1).bit_length()), q8=True)
+    y = gguf_linear(x, split_rows(w, qtype, K), split_type(qtype), N, cfg)
+    assert y.shape == (M, N) and y.dtype == dtype
+    what = f"{qtype.name}/split M={M} N={N} K={K} {dtype} {cfg}"
+    if M <= 16:
+        _assert_close(y, ref, bound, 2.0 ** -16, what, extra=q8_activation_bound(x, w, qtype))
+    else:
+        _assert_close(y, ref, bound, 2.0 ** -8, what)
+
+
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 8, 16))
+@pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
+@pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
+def test_split_rows_glm5_shapes_production_config(qtype, shape, M):
+    """Q8_0/Q4_0/Q5_0 as glm5serve serves them (split rows, ``as_served``) with pick_split_config's launch, on every
+    GLM-5 shape of the benchmark, within the int8 activation bound."""
+    from glm5serve.dequant import dequantize
+
+    N, K = GLM5_SHAPES[shape]
+    gen = torch.Generator(DEV).manual_seed(M * 1000 + N + int(qtype))
+    w = random_qweight_torch(qtype, (N, K), DEV, gen)
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    W = dequantize(w, qtype, dtype=torch.float32).double()
+    ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
+    served, stype = as_served(w, qtype, K)
+    assert stype == split_type(qtype)
+    q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double()).cpu()
+    _assert_close(gguf_linear(x, served, stype, N), ref, bound, 2.0 ** -16, f"{qtype.name}/split {shape} M={M}",
+                  extra=q8)
+
+
+@pytest.mark.parametrize("M", (1, 3, 8, 16))
+@pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
+def test_split_rows_dp4a_equals_its_emulation_and_graphs_replay(qtype, M):
+    """The split-row GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter tests') give
+    bit-identical outputs on the GPU (production tile, split-K, a partial row tile), and a CUDA-graph replay equals
+    the eager call on fresh inputs."""
+    N, K = 301, 64 * 32
+    x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=120 + M)
+    s, stype = split_rows(w, qtype, K), split_type(qtype)
+    tiles = GemvConfig(block_n=32, kbs=4, split_k=3, block_m=M if M in (1, 8, 16) else 4, q8=True)
+    for cfg in (pick_split_config(stype, M, N, K), tiles):
+        assert torch.equal(gguf_linear_split(x, s, stype, N, cfg), gguf_linear_split(x, s, stype, N, cfg, dp4a=False))
+    static_x = x.clone()
+    g, out = capture(lambda: gguf_linear(static_x, s, stype, N))
+    fresh = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16).to(DEV)
+    static_x.copy_(fresh)
+    g.replay()
+    assert torch.equal(out, gguf_linear(fresh, s, stype, N))
 
 
 @st.composite
@@ -381,6 +455,14 @@ def test_vllm_ops_route_decode_batches_to_glm5serve():
         ids, wts = _routing(T, E, k)
         y = quantization.fused_moe_gguf(x, w13, w2, wts, ids, int(Q.Q4_K), int(Q.Q4_K), "silu")
         assert torch.equal(y, gguf_moe(x, w13, w2, wts, ids, Q.Q4_K, Q.Q4_K))
+    # split rows (regrouped at load by vllm_ops.split_linear_weights): glm5serve at every batch size, 3-D x too
+    for M in (1, 300):
+        x, w, ref, bound = _linear_case(Q.Q5_0, M, N, K, torch.bfloat16, seed=M)
+        s = split_rows(w, Q.Q5_0, K)
+        y = quantization.fused_mul_mat_gguf(x, s, split_type(Q.Q5_0))
+        assert torch.equal(y, gguf_linear(x, s, split_type(Q.Q5_0), N))
+        y3 = quantization.fused_mul_mat_gguf(x[None], s, split_type(Q.Q5_0))
+        assert y3.shape == (1, M, N) and torch.equal(y3[0], y)
 
 
 #: GLM-5's whole routed experts at TP=1 through the plugin's MoE op as glm5serve's plugin fixes leave it; experts

@@ -303,3 +303,42 @@ def test_activation_quantizer_compiles_without_spills():
                                                       xi_ptr="*i32", K="i32", stride_xm="i32"),
                          dict(BLOCKS=8, SUMS16=sums16), ("x_ptr", "xq_ptr"))
         assert int(re.search(r"STACK:(\d+)", _sass(quant)[1]).group(1)) == 0
+
+
+#: split-row GEMV (``gguf_split``) at its production tile for a 2048 x 6144 weight, SASS instructions per weight in
+#: the K loop, measured (triton 3.8) at M = 1, 2, 4, 8, 16: Q8_0 2.0, 2.6, 3.8, 5.1, 8.3; Q4_0 1.8, 2.4, 4.0, 4.8,
+#: 8.5; Q5_0 2.6, 3.4, 4.7, 7.3, 9.1 (the fp32 decode of GGUF rows it replaces: 8.2-11.4 at one row).  Budgets: +15 %.
+SPLIT_BUDGET = {g.Q8_0: (2.4, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.1, 2.8, 4.6, 5.6, 9.8),
+                g.Q5_0: (3.0, 3.9, 5.4, 8.4, 10.4)}
+
+
+@pytest.mark.parametrize("M", (1, 2, 4, 8, 16))
+@pytest.mark.parametrize("qtype", sorted(SPLIT_BUDGET), ids=lambda q: g._NAMES[q])
+def test_split_rows_kernel_uses_dp4a_within_budget(qtype, M):
+    """The split-row GEMV at pick_split_config's launch: one IDP.4A per 4 weights and activation row in the K loop
+    (the codes are consecutive int32 words), 16-byte weight loads, no spills, no shuffles, and the budget above."""
+    sp = importlib.import_module("glm5serve.kernels.gguf_split")
+    c = sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132)
+    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xi_ptr="*i32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
+    k = _compile(sp._gemv_split_kernel, sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs,
+                                                  SPLIT_K=c.split_k, EMULATE=False),
+                 ("xw_ptr", "w_ptr", "y_ptr", "stride_wn", "nb"), c.num_warps)
+    sass, usage = _sass(k)
+    ops = collections.Counter(_loop_body(sass))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    weights = c.block_n * c.kbs * 32 / (32 * c.num_warps)  # per thread and K step
+    assert ops["IDP.4A.S8.S8"] == M * weights / 4, ops.most_common(8)
+    assert any(o.startswith("LDG.E") and o.endswith(".128") for o in ops), ops.most_common(12)
+    assert not any(o.startswith("SHFL") for o in ops), ops.most_common(12)
+    per_weight = sum(ops.values()) / weights
+    assert per_weight <= SPLIT_BUDGET[qtype][(1, 2, 4, 8, 16).index(M)], (per_weight, ops.most_common(8))
+
+
+def test_split_rows_dequant_kernel_compiles_without_spills():
+    sp = importlib.import_module("glm5serve.kernels.gguf_split")
+    for qtype in sorted(SPLIT_BUDGET):
+        k = _compile(sp._dequant_split_kernel, dict(w_ptr="*u8", out_ptr="*bf16", N="i32", nb="i32", stride_wn="i32",
+                                                    stride_on="i32"),
+                     dict(QTYPE=qtype, BLOCK_N=16, KBS=8), ("w_ptr", "out_ptr", "stride_wn", "stride_on"))
+        assert int(re.search(r"STACK:(\d+)", _sass(k)[1]).group(1)) == 0

@@ -431,3 +431,43 @@ else:
         assert not supports(Q.IQ4_XS, 1, 2048, 6144) and not supports(Q.F16, 1, 8, 8)
         assert supports_moe(Q.Q4_K, Q.Q6_K, 256, 6144, 2048) and not supports_moe(Q.Q4_K, Q.Q2_K, 1, 6144, 2048)
         assert not supports_moe(Q.Q4_K, Q.Q6_K, 257, 6144, 2048)
+
+    SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+
+    @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
+    def test_split_rows_dequantize_exactly(qtype):
+        """Split rows (``gguf_split``) decoded by their STORE kernel equal gguf-py's dequantizer of the GGUF rows they
+        came from, bit for bit in fp32 (d * code is exact), on 13 rows (a partial row tile) of 10 blocks (a partial
+        K step of 8), from a row slice of a padded weight."""
+        from glm5serve.kernels.gguf_gemv import dequantize_rows
+        from glm5serve.kernels.gguf_split import split_rows, split_type
+
+        rng = np.random.default_rng(200 + int(qtype))
+        raw = random_qweight(qtype, 16, 320, rng)
+        padded = torch.from_numpy(np.concatenate([raw, rng.integers(0, 256, (16, 6), dtype=np.uint8)], axis=1))
+        split = split_rows(padded, qtype, 320)
+        got = dequantize_rows(split[2:15], split_type(qtype), 320, dtype=torch.float32)
+        assert torch.equal(got.double(), torch.as_tensor(dequant(raw[2:15], qtype)).double())
+
+    @settings(max_examples=12, deadline=None)
+    @given(qtype=st.sampled_from(SPLIT_TYPES), M=st.integers(1, 20), N=st.integers(1, 33),
+           blocks=st.sampled_from((2, 4, 6)), block_n=st.sampled_from((4, 8, 16)), kbs=st.sampled_from((1, 2, 4)),
+           split_k=st.integers(1, 3), default=st.booleans(), seed=st.integers(0, 2**16))
+    def test_split_rows_gemv_within_the_int8_bound(qtype, M, N, blocks, block_n, kbs, split_k, default, seed):
+        """gguf_linear on split rows (int8 activations, dp4a emulated) against gguf-py + fp64 on the GGUF rows:
+        within the int8-rounding bound of the activations (``q8_activation_bound``: for Q4_0/Q5_0 only d * u meets
+        rounded activations) plus output rounding and fp32 sums, for drawn shapes, tiles and split-K; default
+        configs past 16 rows take the dequantize + matmul path.  A wrong code, fifth bit, scale or offset exceeds
+        the bound (it is ~1/250 of the weights' share of the output)."""
+        from glm5serve.kernels.gguf_split import split_rows, split_type
+        from glm5serve.kernels.testing import q8_activation_bound
+
+        K = 32 * blocks
+        x, w, ref, bound = _case(qtype, M, N, K, seed, dtype=torch.bfloat16)
+        block_m = min(16, 1 << (M - 1).bit_length())
+        cfg = None if default else GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, block_m=block_m, q8=True)
+        y = gguf_linear(x, split_rows(w, qtype, K), split_type(qtype), N, cfg)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        err = (y.double() - ref).abs()
+        tol = q8_activation_bound(x, w, qtype) + 2.0 ** -7 * ref.abs() + 2.0 ** -7 * bound * (cfg is None and M > 16)
+        assert (err <= tol + FP32_EPS * bound + 1e-30).all(), ((err - tol) / bound).max()

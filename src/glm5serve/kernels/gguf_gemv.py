@@ -61,6 +61,9 @@ SUPPORTED_QTYPES = frozenset(BLOCK_SIZES)
 _NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
 _WORD_TYPES = frozenset({Q4_K, Q5_K})
+# Q4_0/Q5_0/Q8_0 weights regrouped into split rows at load time (``gguf_split``) carry type id SPLIT_BASE + GGML id.
+SPLIT_BASE = 0x100
+SPLIT_QTYPES = frozenset(SPLIT_BASE + q for q in (Q4_0, Q5_0, Q8_0))
 MAX_FAST_M = 16   # decode kernels (GEMV FMA / int8 / tensor-core paths; per-(token, expert) MoE, see gguf_moe)
 MAX_GEMM_M = 256  # up to 256 rows: dequantize to bf16 + cuBLAS (grouped by expert for MoE); beyond: the plugin's
 
@@ -784,8 +787,11 @@ def _q8_applies(qtype: int, nb: int) -> bool:
 
 def supports(qtype: int, M: int, N: int, K: int) -> bool:
     """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= MAX_GEMM_M (decode batches up
-    to 256 requests; longer prefills stay with the plugin's kernels), K whole blocks."""
+    to 256 requests; longer prefills stay with the plugin's kernels), K whole blocks; for a split type
+    (``gguf_split``) any M >= 1 and K of an even number of blocks."""
     qtype = int(qtype)
+    if qtype in SPLIT_QTYPES:  # only glm5serve reads split rows: every batch size
+        return M >= 1 and N >= 1 and K > 0 and K % 64 == 0
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
 
 
@@ -826,7 +832,7 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
 
     Args:
         qweight: (>= N, >= row_bytes) uint8 raw GGUF rows (row_bytes = K / block_elems * block_bytes).
-        qtype: GGML type id (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
+        qtype: GGML type id (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), or a split type id (``gguf_split``).
         K: elements per row; N: rows (default: all).
         dtype: output dtype (bf16, fp16 or fp32); ``out``: optional (N, K) destination with contiguous rows.
     Returns:
@@ -835,6 +841,10 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
         ValueError: unsupported type or inconsistent shapes.
     """
     qtype = int(qtype)
+    if qtype in SPLIT_QTYPES:
+        from glm5serve.kernels.gguf_split import dequantize_split_rows
+
+        return dequantize_split_rows(qweight, qtype, K, N, dtype, out)
     N = qweight.shape[0] if N is None else N
     _check(torch.empty((0, K), dtype=dtype), qweight, qtype, N)
     if out is None:
@@ -876,7 +886,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         x: (M, K) bf16/fp16 (fp32 accepted) activations, any M (meant for M <= MAX_GEMM_M, see ``supports``).
         qweight: (>= N, >= row_bytes) uint8 raw GGUF rows, ``row_bytes = K / block_elems * block_bytes``;
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
-        qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+        qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; or a split type id: split rows of
+            Q4_0/Q5_0/Q8_0 (``gguf_split.gguf_linear_split``, any M).
         N: output features (rows of the weight used).
         config: launch parameters (default: ``pick_config``; ``q8`` applies to Q8_TYPES with bf16/fp16 x and
             is ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the
@@ -890,6 +901,10 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.
     """
     qtype = int(qtype)
+    if qtype in SPLIT_QTYPES:
+        from glm5serve.kernels.gguf_split import gguf_linear_split
+
+        return gguf_linear_split(x, qweight, qtype, N, config)
     K = _check(x, qweight, qtype, N)
     M = x.shape[0]
     if M == 0 or N == 0:

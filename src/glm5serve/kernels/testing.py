@@ -197,7 +197,8 @@ def _half_step(v: torch.Tensor) -> torch.Tensor:
 def _q8_part(raw: torch.Tensor, qtype: int, dequant_fn=None) -> torch.Tensor:
     """The part of each weight that multiplies int8-rounded activations, float64 (N, K): for Q4_K and Q5_K the scaled
     code (W minus the same blocks dequantized with every code zeroed: the min term meets exact activation sums), for
-    Q8_0 and Q6_K the whole weight (Q6_K's - 32 offset meets the integer sums of the rounded activations)."""
+    Q8_0, Q6_K, Q4_0 and Q5_0 the whole weight (the - 32 / - 8 / - 16 code offsets meet the integer sums of the
+    rounded activations: ``gguf_gemv_q8``, ``gguf_split``)."""
     dequant_fn = dequant_fn or dequant
     S = dequant_fn(raw, qtype)
     if Q(qtype) in (Q.Q4_K, Q.Q5_K):  # codes (Q5_K: qh, then qs) follow the 4 + 12 header bytes of ``block_q4_K``
@@ -211,10 +212,10 @@ def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> to
     """Worst-case effect of rounding x to int8 blocks of 32 (``gguf_gemv_q8``) on x @ W.T: ``sum_i |s_ni| d_mi / 2``
     as a float64 (M, N) tensor, d_mi = max |x| over the 32-block of column i / 127.  s is the part of each weight
     that multiplies the rounded activations: for Q4_K and Q5_K its scaled code (the min term is computed from exact
-    activation sums), i.e. W minus the same blocks dequantized with every code zeroed; for Q8_0 and Q6_K the whole
-    weight.
+    activation sums), i.e. W minus the same blocks dequantized with every code zeroed; for Q8_0, Q6_K, Q4_0 and Q5_0
+    (split rows, ``gguf_split``) the whole weight.
     ``raw``: (N, row_bytes) uint8 numpy or torch; ``dequant_fn(raw, qtype)`` -> float64 (default: gguf-py, CPU)."""
-    if Q(qtype) not in (Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K):
+    if Q(qtype) not in (Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.Q4_0, Q.Q5_0):
         raise ValueError(f"q8_activation_bound: no int8-activation kernel for {Q(qtype).name}")
     S = _q8_part(torch.as_tensor(raw), qtype, dequant_fn)
     return _half_step(x.detach().to(S.device).double()) @ S.abs().T

@@ -7,12 +7,17 @@ the plugin's own op otherwise (prefill, F16/BF16/F32 weights, IQ types).  They a
 ``direct_register_custom_op`` with fake implementations, so torch.compile treats them as opaque and CUDA graphs
 capture the Triton launches.  Call ``install()`` in every vLLM process after the plugin is imported, e.g. from
 ``glm5serve.vllm_plugin.register``; it is idempotent.
+
+With the ops installed, ``split_linear_weights`` (run by glm5serve's model loader after
+``process_weights_after_loading``) regroups every Q4_0/Q5_0/Q8_0 linear weight into split rows
+(``kernels.gguf_split``) and gives it its split type id; ``mul_mat`` sends every call of a split type, any batch
+size, to ``gguf_linear`` (the plugin's kernels cannot read split rows).
 """
 from __future__ import annotations
 
 import torch
 
-from glm5serve.kernels.gguf_gemv import gguf_linear, supports
+from glm5serve.kernels.gguf_gemv import SPLIT_QTYPES, gguf_linear, supports
 from glm5serve.kernels.gguf_moe import gguf_moe, supports_moe
 
 _MARK = "_glm5serve_kernels"
@@ -43,12 +48,15 @@ def install() -> bool:
     plugin_mul_mat, plugin_moe = quantization.fused_mul_mat_gguf, quantization.fused_moe_gguf
 
     def mul_mat(x: torch.Tensor, qweight: torch.Tensor, qweight_type: int) -> torch.Tensor:
+        if qweight_type in SPLIT_QTYPES:  # split rows: only glm5serve reads them, at every batch size
+            y = gguf_linear(x.reshape(-1, x.shape[-1]), qweight, qweight_type, qweight.shape[0])
+            return y.reshape(*x.shape[:-1], qweight.shape[0])
         if _use_linear(x, qweight, qweight_type):
             return gguf_linear(x, qweight, qweight_type, qweight.shape[0])
         return plugin_mul_mat(x, qweight, qweight_type)
 
     def mul_mat_fake(x: torch.Tensor, qweight: torch.Tensor, qweight_type: int) -> torch.Tensor:
-        return torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)
+        return torch.empty(*x.shape[:-1], qweight.shape[0], dtype=x.dtype, device=x.device)
 
     def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, qweight_type: int, qweight_type2: int, activation: str) -> torch.Tensor:
@@ -66,3 +74,53 @@ def install() -> bool:
         setattr(op, _MARK, True)
     quantization.fused_mul_mat_gguf, quantization.fused_moe_gguf = new_mul_mat, new_moe
     return True
+
+
+def installed() -> bool:
+    """Whether ``install()`` has replaced the plugin's ops in this process."""
+    try:
+        from vllm_gguf_plugin import quantization
+    except ImportError:
+        return False
+    return bool(getattr(quantization.fused_mul_mat_gguf, _MARK, False))
+
+
+def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cuda",)) -> int:
+    """Regroup the Q4_0/Q5_0/Q8_0 weights of every GGUF linear layer (vllm-gguf-plugin's ``GGUFLinearMethod``) on a
+    CUDA device into split rows, in place, and set their type ids (``layer.qweight_type.weight_type`` and the
+    fused shards' ``shard_weight_type``) to the split ids, so the plugin's ``apply`` hands them to ``mul_mat``.
+    Fused shards of mixed types are regrouped shard by shard (rows ``start:end``, the shard's ``size`` bytes).
+    Weights whose rows hold an odd number of blocks (``gguf_split.can_split``) stay GGUF.  Run after
+    ``process_weights_after_loading`` (vLLM's MLA has by then dequantized ``kv_b_proj`` through the GGUF bytes) and
+    only with ``install()`` in effect.  ``devices``: the device types whose weights are regrouped (the kernels run on
+    CUDA).  Returns the number of weights (shards) regrouped."""
+    from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+
+    from glm5serve.kernels.gguf_split import can_split, split_rows, split_type
+
+    done = 0
+    for layer in model.modules():
+        if type(getattr(layer, "quant_method", None)) is not GGUFLinearMethod:
+            continue
+        qweight, types = getattr(layer, "qweight", None), getattr(layer, "qweight_type", None)
+        # ReplicatedLinear (the indexer's wq_b) has no input_size_per_partition: its input_size is the whole K
+        K = getattr(layer, "input_size_per_partition", None) or getattr(layer, "input_size", None)
+        if qweight is None or types is None or K is None or qweight.dim() != 2 or qweight.device.type not in devices:
+            continue
+        shard_ids = list(getattr(qweight, "shard_id", None) or [])
+        shard_types = {i: types.shard_weight_type.get(i, types.weight_type) for i in shard_ids}
+        if len(set(shard_types.values())) > 1:  # mixed types: the plugin's apply slices each shard out
+            for i in shard_ids:
+                start, end, size = qweight.shard_offset_map[i]
+                if can_split(shard_types[i], K):
+                    qweight.data[start:end, :size] = split_rows(qweight.data[start:end, :size], shard_types[i], K)
+                    types.shard_weight_type[i] = split_type(shard_types[i])
+                    done += 1
+        elif can_split(types.weight_type if not shard_ids else shard_types[shard_ids[0]], K):
+            qtype = types.weight_type if not shard_ids else shard_types[shard_ids[0]]
+            qweight.data.copy_(split_rows(qweight.data, qtype, K))
+            types.weight_type = split_type(qtype)
+            for i in shard_ids:
+                types.shard_weight_type[i] = split_type(qtype)
+            done += 1
+    return done

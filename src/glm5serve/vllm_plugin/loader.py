@@ -3,7 +3,9 @@
 The plugin's ``load_model`` hands the adapter's stream to ``model.load_weights`` and ignores what was loaded. For a
 GLM-5 GGUF this loader builds the model the same way, then loads through
 :meth:`~glm5serve.vllm_plugin.weights.GlmDsaWeightsAdapter.load_into`, which checks before
-``process_weights_after_loading`` that every GGUF tensor and every vLLM parameter was used.
+``process_weights_after_loading`` that every GGUF tensor and every vLLM parameter was used, and afterwards, with
+glm5serve's kernels installed, regroups Q4_0/Q5_0/Q8_0 linear weights into split rows
+(:func:`glm5serve.kernels.vllm_ops.split_linear_weights`).
 
 :class:`GLM5SyntheticModelLoader` (``load_format="glm5-synthetic"``) is the same load with random valid tensor
 bytes made on the device (:class:`~glm5serve.synthetic.SyntheticSource`) instead of the file's data.
@@ -16,6 +18,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm_gguf_plugin.loader import GGUFModelLoader
 
 from glm5serve.errors import GGUFModelError
+from glm5serve.kernels import vllm_ops
 from glm5serve.synthetic import LOAD_FORMAT, SyntheticSource
 from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
 
@@ -36,6 +39,8 @@ class GLM5GGUFModelLoader(GGUFModelLoader):
                 model = initialize_model(vllm_config=vllm_config, prefix=prefix)
             adapter.load_into(model, model_config)
             process_weights_after_loading(model, model_config, target_device)
+        if vllm_ops.installed():  # Q4_0/Q5_0/Q8_0 linears to split rows, read by glm5serve's kernels only
+            vllm_ops.split_linear_weights(model)
         return model
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:

@@ -1,0 +1,409 @@
+"""Q4_0, Q5_0 and Q8_0 weights regrouped at load time into split rows, and their int8-activation GEMV.
+
+GGUF's legacy blocks (gguf-py ``gguf/quants.py``; llama.cpp ``block_q4_0`` / ``block_q5_0`` / ``block_q8_0`` in
+ggml/src/ggml-common.h) start with an fp16 scale d, so their 18-, 22- and 34-byte blocks are only 2-byte aligned:
+read in place, the codes come as uint16 pairs, and three in-place layouts of an int8-activation kernel for Q8_0 ran
+slower than the fp32 decode (``gguf_gemv_q8``).  A split row holds the same bytes of the row, regrouped by field::
+
+    Q8_0: qs[32 nb] | d[2 nb]        Q4_0: qs[16 nb] | d[2 nb]        Q5_0: qs[16 nb] | qh[4 nb] | d[2 nb]
+
+(nb blocks per row, each field in block order), so a weight keeps its shape, its byte count and its row slices
+(tensor-parallel shards, fused shards), and the codes of consecutive blocks are consecutive int32 words: 16-byte
+loads, contiguous across a warp's lanes, multiplied with ``dp4a`` against int8 activations with llama.cpp's
+arithmetic (``vec_dot_q8_0_q8_1`` / ``vec_dot_q4_0_q8_1`` / ``vec_dot_q5_0_q8_1``, ggml/src/ggml-cuda/vecdotq.cuh),
+except that the ``- 8`` / ``- 16`` code offset of Q4_0/Q5_0 meets the integer sum of the block's activation codes (as
+llama.cpp does for Q6_K's ``- 32``), not the float sum of its activations: the whole weight then meets the rounded
+activations, whose error scales with |d (u - 8)| instead of |d u|, about half (H200, a 2048 x 6144 Q4_0 weight:
+relative error 0.0105 with float sums).  Regrouping quantized weights
+at load for the kernel that reads them is what llama.cpp's CPU backend does for Q4_0 (ggml-cpu/repack.cpp) and
+vLLM does for GPTQ (``gptq_marlin_repack``).
+
+A split weight carries its own type id, ``SPLIT_BASE`` + the GGML id (``split_type``), so it can never be read as
+GGUF bytes by mistake: ``gguf_linear`` and ``dequantize_rows`` take it at any batch size, and ``kernels.vllm_ops``
+sends every call of a split type here (the plugin's kernels cannot read it).  Rows of an odd number of blocks stay
+GGUF (a row must be whole int32 words; ``can_split``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5serve.kernels.gguf_gemv import (
+    BLOCK_SIZES,
+    MAX_FAST_M,
+    Q4_0,
+    Q5_0,
+    Q8_0,
+    SPLIT_BASE,
+    SPLIT_QTYPES,
+    _NAMES,
+    GemvConfig,
+    _as_words,
+    _pow2_at_least,
+    _pow2_at_most,
+    _tile_counters,
+    _write_tile,
+)
+from glm5serve.kernels.gguf_gemv_q8 import _dp4a, _split8, quantize_activations
+
+SPLITTABLE = frozenset({Q4_0, Q5_0, Q8_0})  # split type id: SPLIT_BASE (0x100) + GGML type id
+MAX_BLOCK_M = 16  # activation rows per program of the split-row GEMV
+#: (bytes of codes, bytes of qh) per block; the fp16 d of every block follows them
+_FIELDS = {Q8_0: (32, 0), Q4_0: (16, 0), Q5_0: (16, 4)}
+
+
+def split_type(qtype: int) -> int:
+    """The split-row type id of GGML type ``qtype`` (Q4_0, Q5_0 or Q8_0)."""
+    if int(qtype) not in SPLITTABLE:
+        raise ValueError(f"split rows: no split layout for {_NAMES.get(int(qtype), f'GGML type {qtype}')}")
+    return SPLIT_BASE + int(qtype)
+
+
+def base_type(stype: int) -> int:
+    """The GGML type id of split type ``stype`` (``stype`` itself when it is not a split type)."""
+    return int(stype) - SPLIT_BASE if int(stype) in SPLIT_QTYPES else int(stype)
+
+
+def type_name(qtype: int) -> str:
+    """``Q8_0`` for a GGML id, ``Q8_0/split`` for its split id."""
+    q = base_type(qtype)
+    return _NAMES.get(q, f"GGML type {q}") + ("/split" if int(qtype) in SPLIT_QTYPES else "")
+
+
+def can_split(qtype: int, K: int) -> bool:
+    """Whether rows of K elements of ``qtype`` have a split layout: a splittable type and an even number of
+    blocks (the codes are read as int32 words; rows of 34 nb bytes are whole words only for even nb)."""
+    return int(qtype) in SPLITTABLE and K > 0 and K % 32 == 0 and (K // 32) % 2 == 0
+
+
+def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch.Tensor:
+    qtype = int(qtype)
+    if not can_split(qtype, K):
+        raise ValueError(f"split rows: {type_name(qtype)} rows of K={K} have no split layout (need an even number "
+                         f"of 32-element blocks)")
+    nb, bb = K // 32, BLOCK_SIZES[qtype][1]
+    rb = nb * bb
+    if qweight.dtype != torch.uint8 or qweight.shape[-1] < rb:
+        raise ValueError(f"split rows: {type_name(qtype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
+                         f"hold uint8 rows of {rb} bytes (K={K})")
+    qs, qh = _FIELDS[qtype]
+    out = qweight.clone()
+    rows = qweight[..., :rb].reshape(-1, rb)
+    if to_split:  # GGUF block: d | (qh) | qs
+        blocks = rows.reshape(-1, nb, bb)
+        parts = (blocks[..., 2 + qh:], blocks[..., 2:2 + qh], blocks[..., :2])
+        new = torch.cat([p.reshape(rows.shape[0], -1) for p in parts], dim=-1)
+    else:
+        n = rows.shape[0]
+        codes = rows[:, :nb * qs].reshape(n, nb, qs)
+        hbits = rows[:, nb * qs:nb * (qs + qh)].reshape(n, nb, qh)
+        d = rows[:, nb * (qs + qh):].reshape(n, nb, 2)
+        new = torch.cat([d, hbits, codes], dim=-1).reshape(rows.shape[0], rb)
+    out[..., :rb] = new.reshape(*qweight.shape[:-1], rb)
+    return out
+
+
+def split_rows(qweight: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """Raw GGUF rows -> split rows (module docstring), on the tensor's device.
+
+    Args:
+        qweight: (..., >= row_bytes) uint8 GGUF rows of ``qtype`` (Q4_0, Q5_0 or Q8_0), row_bytes = K / 32 * block
+            bytes; columns past row_bytes (padding) are copied unchanged.
+        K: elements per row, an even number of 32-element blocks (``can_split``).
+    Returns:
+        A new tensor of the same shape and dtype whose first row_bytes of every row are the split row; its type id
+        is ``split_type(qtype)``.
+    Raises:
+        ValueError: another type, K of an odd number of blocks, or rows shorter than row_bytes.
+    """
+    return _regroup(qweight, qtype, K, True)
+
+
+def join_rows(split: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """The inverse of ``split_rows``: split rows of GGML type ``qtype`` (the base id) back to GGUF rows."""
+    return _regroup(split, base_type(qtype), K, False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _split4(v, A: tl.constexpr, B: tl.constexpr):
+    """The 4 slices [A, B] of v [A, B, 4] along its last axis, in the order t = 0, 2, 1, 3 (no shuffles)."""
+    e, o = tl.split(tl.reshape(v, (A, B, 2, 2)))
+    a0, a1 = tl.split(e)
+    b0, b1 = tl.split(o)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _dp4a_bcast(w, x, acc, EMULATE: tl.constexpr):
+    """acc [BM, BN, G] + dp4a of weight words w [BN, G] with activation words x [BM, G]."""
+    shape: tl.constexpr = acc.shape
+    return _dp4a(tl.broadcast_to(w[None, :, :], shape), tl.broadcast_to(x[:, None, :], shape), acc, EMULATE)
+
+
+@triton.jit
+def _fifth_bits(qh, t: tl.constexpr):
+    """Bits 4t..4t+3 of the qh words [BN, G] moved to bit 4 of bytes 0..3: one multiply spreads the 4 bits 7 apart
+    (bit b lands on 4 + 8b; the four shifted copies do not overlap, so nothing carries)."""
+    return (((qh >> (4 * t)) & 0xF) * 0x02040810) & 0x10101010
+
+
+@triton.jit
+def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask,
+                QTYPE: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+    """Blocks b0 .. b0 + KBS - 1 (those from ``end`` masked off) of BLOCK_N split rows against BLOCK_M rows of int8
+    activations (xw_ptr: codes as int32 words, xd_ptr: fp32 block scales, xi_ptr: int32 sums of each 16 codes,
+    Q4_0/Q5_0); acc [BLOCK_M, BLOCK_N, KBS] fp32.  row_ptr: int32 word pointers to the rows' codes ([BLOCK_N]),
+    d_ptr: uint16 pointers to their scales, qh_ptr: int32 pointers to their qh words (Q5_0).
+
+    Q8_0: word t of block kb is codes 4t..4t+3 (int8), against activation word 8 kb + t.  Q4_0/Q5_0: word t holds
+    in byte b element 4t + b (low nibble) and 16 + 4t + b (high nibble), against activation words 8 kb + t and
+    8 kb + 4 + t; Q5_0's fifth bit of element i is bit i of the block's qh word.  Weight d * q (Q8_0), d * (u - 8)
+    (Q4_0), d * (u - 16) (Q5_0), gguf-py ``Q8_0`` / ``Q4_0`` / ``Q5_0.dequantize_blocks``."""
+    BM: tl.constexpr = mrow.shape[0]
+    BN: tl.constexpr = row_ptr.shape[0]
+    kb = b0 + tl.arange(0, KBS)
+    bmask = kb < end
+    xmask = mmask[:, None, None] & bmask[None, :, None]
+    xrow = (mrow * nb * 8)[:, None, None] + (kb * 8)[None, :, None]  # activation words of each block
+    if QTYPE == 8:
+        dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+        t = tl.arange(0, 8)
+        q = tl.load(row_ptr[:, None, None] + (kb * 8)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
+                    other=0, eviction_policy="evict_first")
+        xw = tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0)
+        qw = _split8(q, BN, KBS)
+        xv = _split8(xw, BM, KBS)
+        for i in tl.static_range(8):
+            dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
+    else:
+        so = (mrow * nb * 2)[:, None] + (2 * kb)[None, :]
+        smask = mmask[:, None] & bmask[None, :]
+        sq = tl.load(xi_ptr + so, mask=smask, other=0) + tl.load(xi_ptr + so + 1, mask=smask, other=0)
+        dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+        t = tl.arange(0, 4)
+        q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
+                    other=0, eviction_policy="evict_first")
+        xlo = _split4(tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0), BM, KBS)
+        xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
+        qw = _split4(q, BN, KBS)
+        if QTYPE == 6:
+            qh = tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+        for i in tl.static_range(4):
+            lo = qw[i] & 0x0F0F0F0F
+            hi = (qw[i] >> 4) & 0x0F0F0F0F
+            if QTYPE == 6:
+                # slice i is word (i % 2) * 2 + i // 2 (``_split4`` order)
+                lo = lo | _fifth_bits(qh, (i % 2) * 2 + i // 2)
+                hi = hi | _fifth_bits(qh, (i % 2) * 2 + i // 2 + 4)
+            dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
+            dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
+        # minus OFFSET * (the block's code sum): the integer sum is exactly sum (u - OFFSET) q_x
+        OFFSET: tl.constexpr = 16 if QTYPE == 6 else 8
+        dot = dot - OFFSET * sq[:, None, :]
+    dw = tl.load(d_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    dw = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
+    xo = (mrow * nb)[:, None] + kb[None, :]
+    dx = tl.load(xd_ptr + xo, mask=mmask[:, None] & bmask[None, :], other=0.0)[:, None, :]
+    return acc + dw * dx * dot.to(tl.float32)
+
+
+@triton.jit
+def _gemv_split_kernel(xw_ptr, xd_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
+                       stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
+    int32 words of split rows (stride_wn words apart), nb blocks per row.  Rows past N read row N - 1 (unmasked
+    loads; those outputs are not stored)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    CODE_WORDS: tl.constexpr = 8 if QTYPE == 8 else 4  # per block
+    QH_WORDS: tl.constexpr = 1 if QTYPE == 6 else 0
+    qh_ptr = row_ptr + CODE_WORDS * nb
+    d_ptr = (qh_ptr + QH_WORDS * nb).to(tl.pointer_type(tl.uint16))
+    blk_begin = pid_k * blocks_per_split
+    blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mmask = mrow < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
+    for b0 in range(blk_begin, blk_end, KBS):
+        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, QTYPE,
+                          KBS, EMULATE)
+    y = tl.sum(acc, axis=2)
+    _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
+
+
+@triton.jit
+def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          KBS: tl.constexpr):
+    """Grid (N tiles, K steps of KBS blocks): split rows (uint8, stride_wn bytes apart) -> weights in out_ptr's
+    dtype (row n at out_ptr + n * stride_on), with the layout of ``_step_split``."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    kb = tl.program_id(1) * KBS + tl.arange(0, KBS)
+    mask = rmask[:, None] & (kb < nb)[None, :]
+    row = w_ptr + rows.to(tl.int64) * stride_wn
+    CODE_BYTES: tl.constexpr = 32 if QTYPE == 8 else 16
+    QH_BYTES: tl.constexpr = 4 if QTYPE == 6 else 0
+    d16 = (row + (CODE_BYTES + QH_BYTES) * nb).to(tl.pointer_type(tl.uint16))
+    d = tl.load(d16[:, None] + kb[None, :], mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    i = tl.arange(0, 32)
+    m3 = mask[:, :, None]
+    if QTYPE == 8:
+        code = tl.load(row[:, None, None] + (kb * 32)[None, :, None] + i[None, None, :], mask=m3, other=0)
+        w = d[:, :, None] * code.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        byte = tl.load(row[:, None, None] + (kb * 16)[None, :, None] + (i % 16)[None, None, :], mask=m3,
+                       other=0).to(tl.int32)
+        u = (byte >> (4 * (i // 16))[None, None, :]) & 0xF
+        if QTYPE == 6:
+            hb = tl.load(row[:, None, None] + (16 * nb + 4 * kb)[None, :, None] + (i // 8)[None, None, :], mask=m3,
+                         other=0).to(tl.int32)
+            u = u | (((hb >> (i % 8)[None, None, :]) & 1) << 4)
+        OFFSET: tl.constexpr = 16.0 if QTYPE == 6 else 8.0
+        w = d[:, :, None] * (u.to(tl.float32) - OFFSET)
+    cols = (kb * 32)[:, None] + i[None, :]
+    tl.store(out_ptr + (rows.to(tl.int64) * stride_on)[:, None, None] + cols[None, :, :],
+             w.to(out_ptr.dtype.element_ty), mask=m3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+def _check_split(qweight: torch.Tensor, stype: int, K: int, N: int) -> int:
+    """Validate a split weight; returns the GGML base type."""
+    if int(stype) not in SPLIT_QTYPES:
+        raise ValueError(f"split rows: type id {stype} is not a split type ({sorted(SPLIT_QTYPES)})")
+    qtype = base_type(stype)
+    if not can_split(qtype, K):
+        raise ValueError(f"split rows: {type_name(stype)} rows of K={K} do not exist (need an even number of "
+                         f"32-element blocks)")
+    rb = K // 32 * BLOCK_SIZES[qtype][1]
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.stride(-1) != 1 or qweight.shape[-1] < rb \
+            or qweight.shape[0] < N:
+        raise ValueError(f"split rows: {type_name(stype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
+                         f"hold {N} uint8 rows of {rb} bytes (K={K})")
+    return qtype
+
+
+def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | None = None,
+                          dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gguf_gemv.dequantize_rows`` for split rows: (N, K) weights in ``dtype`` (bf16, fp16 or fp32), each rounded
+    once from its exact value d * code; ``out``: optional (N, K) destination with contiguous rows.
+    Raises ValueError on a type or shape that does not fit (``_check_split``)."""
+    N = qweight.shape[0] if N is None else N
+    qtype = _check_split(qweight, stype, K, N)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    if N == 0:
+        return out
+    nb = K // 32
+    bn, kbs = 16, min(8, _pow2_at_most(nb))
+    if qweight.stride(0) % 2:  # the scales are read as uint16: rows must start 2-byte aligned
+        qweight = qweight.contiguous()
+    _dequant_split_kernel[(triton.cdiv(N, bn), triton.cdiv(nb, kbs))](
+        qweight, out, N, nb, qweight.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=4)
+    return out
+
+
+#: (block_n, kbs, programs per SM aimed at, num_warps) of the split-row GEMV per base type, at 1, 2..4 and 5..16
+#: activation rows (block_m: the next power of two >= M).  H200, session 16, best of 9 tiles x 2 split-K aims (8 or
+#: 16 rows with kbs 8 or 16 for Q8_0/Q4_0; 64 rows with kbs 4 for Q5_0, whose fifth bits cost registers), same run,
+#: us, against the fp32 decode / tensor-core path on GGUF rows it replaces and bf16 cuBLAS:
+#: Q8_0 expert gate/up (2048 x 6144) batch 1 9.6 / 11.1 / 11.7, batch 4 11.0 / 18.2 / 11.5, batch 16 17.0 / 23.4 /
+#: 11.9; down (6144 x 2048) batch 1 9.3 / 11.7 / 9.3, batch 4 11.1 / 18.5 / 9.2; q_b/8 (2048 x 2048) batch 4 7.2 /
+#: 9.0 / 6.1.  Q4_0 gate/up batch 1 9.5 / 10.5 / 11.8, batch 4 10.4 / 15.4 / 11.6; down batch 1 8.6 / 10.3 / 9.7.
+#: Q5_0 gate/up batch 1 10.0 / 12.8 / 11.5, batch 4 11.2 / 20.3 / 11.6; down batch 1 10.0 / 12.3 / 9.4, batch 8 15.4 /
+#: 21.0 / 9.3.  Tiles within 3 % of the best on the four swept shapes (expert gate/up and down, q_b/8, expert
+#: gate+up/8) were preferred shared across types.  That sweep's Q4_0/Q5_0 kernel took the offset with float activation
+#: sums; with the integer code sums (module docstring) the benchmark measured, us, batch 1 / 4: Q4_0 gate/up 9.7 / 13.6,
+#: Q5_0 10.2 / 13.6 (bf16 cuBLAS 11.7 / 11.8), Q8_0 9.6 / 10.9 (11.8 / 11.8): Q4_0/Q5_0 at 2..4 rows are not retuned.
+_SPLIT_TILE = {Q8_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
+               Q4_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
+               Q5_0: ((64, 4, 8, 4), (64, 4, 8, 4), (32, 8, 2, 4))}
+
+
+def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
+    """Launch parameters of the split-row GEMV (``q8`` set): the tile ``_SPLIT_TILE`` gives for the base type and M,
+    ``block_m`` = the next power of two >= M (at most MAX_BLOCK_M), and split-K up to the tile's programs per SM
+    while the row tiles alone give fewer than 2 per SM."""
+    block_n, kbs, per_sm, num_warps = _SPLIT_TILE[base_type(stype)][0 if M <= 1 else 1 if M <= 4 else 2]
+    nb = K // 32
+    kbs = min(kbs, _pow2_at_most(nb))
+    block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
+    steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
+    return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=block_m, q8=True)
+
+
+def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:
+    """A GGUF weight as glm5serve serves it: (split rows, split type id) where ``can_split``, else (the weight,
+    ``qtype``) unchanged (``kernels.vllm_ops.split_linear_weights`` does the same in place)."""
+    if can_split(qtype, K):
+        return split_rows(qweight, qtype, K), split_type(qtype)
+    return qweight, int(qtype)
+
+
+def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int,
+                      config: GemvConfig | None = None, dp4a: bool = True) -> torch.Tensor:
+    """y = x @ W[:N].T for a weight of split rows (``split_rows``).
+
+    Args:
+        x: (M, K) bf16/fp16/fp32 activations, any M.
+        qweight: (>= N, >= row_bytes) uint8 split rows (row_bytes as the GGUF row); rows must be contiguous.
+        stype: split type id (``split_type(Q8_0)`` etc.).
+        N: output features.
+        config: launch parameters (``block_n``, ``kbs``, ``split_k``, ``num_warps``, ``block_m`` up to
+            MAX_BLOCK_M; default ``pick_split_config``).  Without one, x of more than MAX_FAST_M rows or fp32 x
+            takes W dequantized to x's dtype (``dequantize_split_rows``, in chunks) and a cuBLAS matmul.
+        dp4a: False computes the same integer products with shifts (always so off CUDA); bit-identical.
+    Returns:
+        (M, N) in x's dtype, fp32 accumulation; on the int8 path x is first rounded to int8 blocks of 32 as in
+        ``gguf_gemv_q8`` (error bound ``kernels.testing.q8_activation_bound``).
+    Raises:
+        ValueError: not a split type, or shapes that do not fit.
+    Capture-safe under CUDA graphs (two launches, no host synchronisation).
+    """
+    M, K = x.shape
+    qtype = _check_split(qweight, stype, K, N)
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"split rows: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if M == 0 or N == 0:
+        return x.new_zeros((M, N))
+    if config is None and (M > MAX_FAST_M or x.dtype == torch.float32):
+        from glm5serve.kernels.gguf_gemv import _dequant_matmul
+
+        return _dequant_matmul(x, qweight, stype, N, K)
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
+        config = pick_split_config(stype, M, N, K, sms)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nb = K // 32
+    block_m = min(config.block_m, MAX_BLOCK_M, _pow2_at_least(M))
+    kbs = config.kbs
+    xq, xd, _, *xi = quantize_activations(x, sums16=qtype != Q8_0)
+    w = _as_words(qweight, qtype, unit=4)
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), kbs) * kbs
+    split = triton.cdiv(nb, blocks_per_split)
+    grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
+    y = x.new_empty((M, N))
+    if split > 1:
+        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = y  # unused
+    _gemv_split_kernel[grid](xq.view(torch.int32), xd, xi[0] if xi else xd, w, y, part, counters, M, N, nb, blocks_per_split,
+                             w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
+                             SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, num_warps=config.num_warps)
+    return y

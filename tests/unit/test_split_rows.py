@@ -1,0 +1,149 @@
+"""Split rows (``glm5serve.kernels.gguf_split``) on the CPU: the regrouping is a lossless permutation of each row's
+bytes with the documented field layout, bad input is refused in one line, the launch heuristic keeps its measured
+tiles, and ``vllm_ops.split_linear_weights`` regroups exactly the GGUF linear weights (and fused shards) it should.
+The kernels themselves run in ``test_kernels_interpret.py`` (interpreter) and ``tests/gpu/test_kernels_gpu.py``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5serve.kernels.gguf_gemv import supports
+from glm5serve.kernels.gguf_split import (
+    SPLIT_QTYPES,
+    as_served,
+    base_type,
+    can_split,
+    join_rows,
+    pick_split_config,
+    split_rows,
+    split_type,
+)
+
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+FIELDS = {Q.Q8_0: [("d", 0, 2), ("qs", 2, 34)], Q.Q4_0: [("d", 0, 2), ("qs", 2, 18)],
+          Q.Q5_0: [("d", 0, 2), ("qh", 2, 6), ("qs", 6, 22)]}  # (name, start, end) in a GGUF block (ggml-common.h)
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(TYPES), lead=st.sampled_from(((3,), (2, 5))), blocks=st.sampled_from((2, 4, 8)),
+       pad=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_split_rows_regroup_fields_losslessly(qtype, lead, blocks, pad, seed):
+    """Every row's bytes become qs of all blocks | qh of all blocks | d of all blocks, each in block order; padding
+    stays; ``join_rows`` undoes it.  The expected row is built field by field from the GGUF block layout."""
+    bb = GGML_QUANT_SIZES[qtype][1]
+    raw = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (*lead, blocks * bb + pad), dtype=np.uint8))
+    split = split_rows(raw, qtype, 32 * blocks)
+    assert split.shape == raw.shape and split.dtype == torch.uint8
+    blk = raw[..., :blocks * bb].reshape(*lead, blocks, bb)
+    fields = {name: blk[..., a:b].reshape(*lead, -1) for name, a, b in FIELDS[qtype]}
+    expect = torch.cat([fields[n] for n in ("qs", "qh", "d") if n in fields] + [raw[..., blocks * bb:]], dim=-1)
+    assert torch.equal(split, expect)
+    assert torch.equal(join_rows(split, split_type(qtype), 32 * blocks), raw)
+
+
+def test_type_ids_and_layout_conditions():
+    assert {split_type(q) for q in TYPES} == SPLIT_QTYPES and all(base_type(split_type(q)) == q for q in TYPES)
+    assert base_type(Q.Q4_K) == Q.Q4_K
+    assert can_split(Q.Q8_0, 64) and not can_split(Q.Q8_0, 96) and not can_split(Q.Q4_K, 512)
+    w = torch.zeros(4, 3 * 34, dtype=torch.uint8)
+    assert as_served(w, Q.Q8_0, 96) == (w, int(Q.Q8_0))  # 3 blocks per row: stays GGUF
+    got, t = as_served(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64)
+    assert t == split_type(Q.Q8_0) and got.shape == (4, 68)
+    # split rows are only read by glm5serve: every batch size, K of an even number of blocks
+    assert supports(split_type(Q.Q5_0), 4096, 7, 64) and not supports(split_type(Q.Q5_0), 1, 7, 96)
+
+
+def test_bad_input_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="no split layout for Q4_K"):
+        split_type(Q.Q4_K)
+    with pytest.raises(ValueError, match="Q8_0 rows of K=96 have no split layout"):
+        split_rows(torch.zeros(2, 102, dtype=torch.uint8), Q.Q8_0, 96)
+    with pytest.raises(ValueError, match=r"Q5_0 weight \(2, 40\) torch.uint8 does not hold uint8 rows of 44 bytes"):
+        split_rows(torch.zeros(2, 40, dtype=torch.uint8), Q.Q5_0, 64)
+    from glm5serve.kernels import gguf_linear
+
+    with pytest.raises(ValueError, match="Q4_0/split weight"):
+        gguf_linear(torch.zeros(1, 64), torch.zeros(2, 36, dtype=torch.uint8), split_type(Q.Q4_0), 3)
+
+
+@pytest.mark.parametrize("qtype,M,N,K,expect", [
+    # (block_n, kbs, split_k, num_warps, block_m)
+    (Q.Q8_0, 1, 2048, 6144, (8, 16, 4, 2, 1)),     # 256 row tiles: split-K to ~8 programs per SM, no empty split
+    (Q.Q8_0, 1, 6144, 2048, (8, 16, 1, 2, 1)),     # 768 tiles fill the GPU
+    (Q.Q4_0, 3, 2048, 6144, (16, 16, 6, 4, 4)),
+    (Q.Q8_0, 16, 2048, 6144, (16, 16, 3, 4, 16)),  # 2 programs per SM aimed at from 5 rows
+    (Q.Q5_0, 4, 512, 6144, (64, 4, 48, 4, 4)),
+    (Q.Q5_0, 8, 6144, 2048, (32, 8, 2, 4, 8)),
+    (Q.Q4_0, 1, 7, 64, (8, 2, 1, 2, 1)),           # kbs capped to the row's 2 blocks
+])
+def test_pick_split_config_examples(qtype, M, N, K, expect):
+    c = pick_split_config(split_type(qtype), M, N, K, 132)
+    assert c.q8 and (c.block_n, c.kbs, c.split_k, c.num_warps, c.block_m) == expect, c
+
+
+class _Types:
+    def __init__(self, weight_type, shard_weight_type):
+        self.weight_type, self.shard_weight_type = weight_type, dict(shard_weight_type)
+
+
+def _layer(method_cls, rows_types, K, pad=0, seed=0):
+    """A module shaped as vllm-gguf-plugin leaves a GGUF linear after loading: ``qweight`` (fused shards stacked,
+    padded to the widest row, with ``shard_id``/``shard_offset_map``), ``qweight_type``, ``input_size_per_partition``."""
+    rng = np.random.default_rng(seed)
+    width = max(K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for _, t in rows_types) + pad
+    layer = torch.nn.Module()
+    layer.quant_method = method_cls.__new__(method_cls)
+    data = torch.from_numpy(rng.integers(0, 256, (sum(r for r, _ in rows_types), width), dtype=np.uint8))
+    layer.qweight = torch.nn.Parameter(data, requires_grad=False)
+    layer.input_size_per_partition = K
+    if len(rows_types) > 1:
+        layer.qweight.shard_id = list(range(len(rows_types)))
+        offsets, start = {}, 0
+        for i, (rows, t) in enumerate(rows_types):
+            offsets[i] = (start, start + rows, K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1])
+            start += rows
+        layer.qweight.shard_offset_map = offsets
+        layer.qweight_type = _Types(int(rows_types[0][1]), {i: int(t) for i, (_, t) in enumerate(rows_types)})
+    else:
+        layer.qweight_type = _Types(int(rows_types[0][1]), {})
+    return layer
+
+
+def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
+    pytest.importorskip("vllm_gguf_plugin", reason="vllm / vllm-gguf-plugin not installed")
+    from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+
+    from glm5serve.kernels.vllm_ops import split_linear_weights
+
+    class OtherMethod(GGUFLinearMethod):  # e.g. the plugin's embedding/diffusion subclasses: not touched
+        pass
+
+    K = 64
+    plain = _layer(GGUFLinearMethod, [(5, Q.Q8_0)], K, seed=1)
+    fused = _layer(GGUFLinearMethod, [(3, Q.Q5_0), (4, Q.Q5_0)], K, seed=2)
+    mixed = _layer(GGUFLinearMethod, [(3, Q.Q6_K), (4, Q.Q4_0)], 256, seed=3)  # K-quant shard stays GGUF
+    kquant = _layer(GGUFLinearMethod, [(2, Q.Q4_K)], 256, seed=4)
+    odd = _layer(GGUFLinearMethod, [(2, Q.Q8_0)], 96, seed=5)  # 3 blocks per row
+    other = _layer(OtherMethod, [(2, Q.Q8_0)], K, seed=6)
+    model = torch.nn.ModuleList([plain, fused, mixed, kquant, odd, other])
+    before = {id(m): m.qweight.detach().clone() for m in model}
+    assert split_linear_weights(model, devices=("cuda",)) == 0  # CPU weights are not the kernels' (default)
+    assert split_linear_weights(model, devices=("cpu",)) == 3
+
+    assert plain.qweight_type.weight_type == split_type(Q.Q8_0)
+    assert torch.equal(plain.qweight.data, split_rows(before[id(plain)], Q.Q8_0, K))
+    assert fused.qweight_type.weight_type == split_type(Q.Q5_0)
+    assert fused.qweight_type.shard_weight_type == {0: split_type(Q.Q5_0), 1: split_type(Q.Q5_0)}
+    assert torch.equal(fused.qweight.data, split_rows(before[id(fused)], Q.Q5_0, K))
+    assert mixed.qweight_type.shard_weight_type == {0: int(Q.Q6_K), 1: split_type(Q.Q4_0)}
+    old = before[id(mixed)]
+    assert torch.equal(mixed.qweight.data[:3], old[:3])
+    assert torch.equal(mixed.qweight.data[3:7, :144], split_rows(old[3:7, :144], Q.Q4_0, 256))
+    assert torch.equal(mixed.qweight.data[3:7, 144:], old[3:7, 144:])  # the padding of the narrower shard
+    for m in (kquant, odd, other):
+        assert torch.equal(m.qweight.data, before[id(m)]) and m.qweight_type.weight_type < 0x100
