@@ -8,9 +8,10 @@ about half the time. Results and logs go to ``$GLM5SERVE_GPU_RESULTS`` (default:
 ``summary-*.json`` files holding the measured numbers. ``GLM5SERVE_NARROW`` may point at an existing narrow
 checkpoint (shard 1).
 
-Besides vLLM's own choices (attention backend, glm5serve's GGUF decode kernels as installed by the plugin), two
-configurations swap one part: ``CUSTOM`` (glm5serve's Triton MLA backend, issue "portable Triton MLA") and
-``GLM5SERVE_GGUF_KERNELS=plugin`` (vllm-gguf-plugin's own kernels instead of glm5serve's).
+Besides vLLM's own choices (attention backend, glm5serve's GGUF decode kernels as installed by the plugin, which
+read Q4_0/Q5_0/Q8_0 linears as split rows), two configurations swap one part: ``CUSTOM`` (glm5serve's Triton MLA
+backend, issue "portable Triton MLA") and ``GLM5SERVE_GGUF_KERNELS=plugin`` (vllm-gguf-plugin's own kernels instead
+of glm5serve's).
 """
 from __future__ import annotations
 
@@ -306,8 +307,8 @@ def test_eager_matches_reference(config, engines, prompts, results_dir, referenc
         if not a.ok and not row.get("router_near_tie"):
             failures.append(f"prompt of {r['prompt_len']} tokens: {a.why}")
     _summary(results_dir, f"{config}-vs-reference", {"backends": run["backends"], "gguf_kernels": run["gguf_kernels"],
-             "vllm": run["vllm"], "exact": sum(x["exact"] for x in rows), "top5_ok": sum(x["top5_ok"] for x in rows),
-             "prompts": len(rows), "rows": rows})
+             "split_weights": run["split_weights"], "vllm": run["vllm"], "exact": sum(x["exact"] for x in rows),
+             "top5_ok": sum(x["top5_ok"] for x in rows), "prompts": len(rows), "rows": rows})
     assert not failures, failures
     short = [x for x in rows if x["prompt_len"] <= 2048]
     assert sum(x["top5_ok"] for x in short) >= len(short) - 2, f"top-5 rule broken on too many prompts: {rows}"
@@ -366,6 +367,9 @@ def test_glm5serve_kernels_as_close_to_reference_as_plugin_kernels(engines, resu
     0.41 nat from the reference before any router near-tie (H200, vLLM 0.25), ours 0.27."""
     ours, plugin = vllm_run(engines, "eager-tp1"), vllm_run(engines, "eager-tp1-pluginkernels")
     assert ours["gguf_kernels"].startswith("glm5serve-triton") and not plugin["gguf_kernels"].startswith("glm5serve")
+    # the checkpoint's Q8_0 linears (indexer wq_b/wk, shared experts...) are served as split rows by ours only
+    assert min(ours["split_weights"]) > 0 and max(plugin["split_weights"]) == 0, (ours["split_weights"],
+                                                                                 plugin["split_weights"])
     stats, failures = {}, []
     for name, run in (("glm5serve", ours), ("plugin", plugin)):
         gaps, agree = [], []
@@ -378,7 +382,8 @@ def test_glm5serve_kernels_as_close_to_reference_as_plugin_kernels(engines, resu
             gaps += [abs(_chosen(v, i) - _chosen(r, i)) for i in range(n)]
         stats[name] = {"mean_gap": round(sum(gaps) / len(gaps), 4), "max_gap": round(max(gaps), 4),
                        "steps_before_first_diff": agree}
-    _summary(results_dir, "glm5serve-vs-plugin-kernels", {"gguf_kernels": ours["gguf_kernels"], **stats})
+    _summary(results_dir, "glm5serve-vs-plugin-kernels", {"gguf_kernels": ours["gguf_kernels"],
+                                                          "split_weights": ours["split_weights"], **stats})
     assert not failures, failures
     assert stats["glm5serve"]["mean_gap"] <= 1.1 * stats["plugin"]["mean_gap"], stats
 

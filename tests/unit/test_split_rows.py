@@ -118,7 +118,7 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
     pytest.importorskip("vllm_gguf_plugin", reason="vllm / vllm-gguf-plugin not installed")
     from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
 
-    from glm5serve.kernels.vllm_ops import split_linear_weights
+    from glm5serve.kernels.vllm_ops import split_linear_weights, split_weight_count
 
     class OtherMethod(GGUFLinearMethod):  # e.g. the plugin's embedding/diffusion subclasses: not touched
         pass
@@ -133,7 +133,9 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
     model = torch.nn.ModuleList([plain, fused, mixed, kquant, odd, other])
     before = {id(m): m.qweight.detach().clone() for m in model}
     assert split_linear_weights(model, devices=("cuda",)) == 0  # CPU weights are not the kernels' (default)
+    assert split_weight_count(model) == 0
     assert split_linear_weights(model, devices=("cpu",)) == 3
+    assert split_weight_count(model) == 3
 
     assert plain.qweight_type.weight_type == split_type(Q.Q8_0)
     assert torch.equal(plain.qweight.data, split_rows(before[id(plain)], Q.Q8_0, K))

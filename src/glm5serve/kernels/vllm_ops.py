@@ -93,7 +93,7 @@ def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cu
     Weights whose rows hold an odd number of blocks (``gguf_split.can_split``) stay GGUF.  Run after
     ``process_weights_after_loading`` (vLLM's MLA has by then dequantized ``kv_b_proj`` through the GGUF bytes) and
     only with ``install()`` in effect.  ``devices``: the device types whose weights are regrouped (the kernels run on
-    CUDA).  Returns the number of weights (shards) regrouped."""
+    CUDA).  Returns the number of layers regrouped (in whole or in some of their shards)."""
     from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
 
     from glm5serve.kernels.gguf_split import can_split, split_rows, split_type
@@ -110,12 +110,12 @@ def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cu
         shard_ids = list(getattr(qweight, "shard_id", None) or [])
         shard_types = {i: types.shard_weight_type.get(i, types.weight_type) for i in shard_ids}
         if len(set(shard_types.values())) > 1:  # mixed types: the plugin's apply slices each shard out
-            for i in shard_ids:
+            ours = [i for i in shard_ids if can_split(shard_types[i], K)]
+            for i in ours:
                 start, end, size = qweight.shard_offset_map[i]
-                if can_split(shard_types[i], K):
-                    qweight.data[start:end, :size] = split_rows(qweight.data[start:end, :size], shard_types[i], K)
-                    types.shard_weight_type[i] = split_type(shard_types[i])
-                    done += 1
+                qweight.data[start:end, :size] = split_rows(qweight.data[start:end, :size], shard_types[i], K)
+                types.shard_weight_type[i] = split_type(shard_types[i])
+            done += bool(ours)
         elif can_split(types.weight_type if not shard_ids else shard_types[shard_ids[0]], K):
             qtype = types.weight_type if not shard_ids else shard_types[shard_ids[0]]
             qweight.data.copy_(split_rows(qweight.data, qtype, K))
@@ -124,3 +124,15 @@ def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cu
                 types.shard_weight_type[i] = split_type(qtype)
             done += 1
     return done
+
+
+def split_weight_count(model: torch.nn.Module) -> int:
+    """The number of layers of ``model`` whose GGUF weight holds split rows in whole or in some fused shards (a
+    ``qweight_type`` or shard type that is a split id): what :func:`split_linear_weights` left regrouped."""
+    n = 0
+    for layer in model.modules():
+        types = getattr(layer, "qweight_type", None)
+        if types is not None and hasattr(types, "weight_type"):
+            ids = [types.weight_type, *(getattr(types, "shard_weight_type", None) or {}).values()]
+            n += any(t in SPLIT_QTYPES for t in ids)
+    return n

@@ -111,8 +111,8 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
     ``layer_states``, a list of (N, T, H) fp32 CPU tensors in prompt order (not JSON: :func:`main` saves it apart).
     """
     engine_core_in_process()
-    if capture_layers:  # apply_model ships the capture functions to TP worker processes pickled
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # apply_model ships functions (split-weight count, layer capture) to TP worker processes pickled
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -135,9 +135,11 @@ def run(model: str, batches: list[list[list[int]]], *, mode: str = "eager", tp: 
             scores.append([float(o.prompt_logprobs[i][full[i]].logprob) for i in range(len(p), len(full))])
     import vllm
 
+    from glm5serve.kernels.vllm_ops import split_weight_count
+
     gguf_kernels = gguf_kernels_in_use()
     rec = {"vllm": vllm.__version__, "mode": mode, "tp": tp, "attention_backend": attention_backend or "auto",
-           "gguf_kernels": gguf_kernels,
+           "gguf_kernels": gguf_kernels, "split_weights": llm.apply_model(split_weight_count),
            "init_s": round(t_init, 1), "generate_s": round(t_gen, 2), "batches": out_batches, "scores": scores}
     if capture_layers:
         rec["capture_layers"] = capture_layers

@@ -13,6 +13,7 @@ bytes made on the device (:class:`~glm5serve.synthetic.SyntheticSource`) instead
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm_gguf_plugin.loader import GGUFModelLoader
@@ -21,6 +22,8 @@ from glm5serve.errors import GGUFModelError
 from glm5serve.kernels import vllm_ops
 from glm5serve.synthetic import LOAD_FORMAT, SyntheticSource
 from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
+
+logger = init_logger(__name__)
 
 
 class GLM5GGUFModelLoader(GGUFModelLoader):
@@ -40,7 +43,8 @@ class GLM5GGUFModelLoader(GGUFModelLoader):
             adapter.load_into(model, model_config)
             process_weights_after_loading(model, model_config, target_device)
         if vllm_ops.installed():  # Q4_0/Q5_0/Q8_0 linears to split rows, read by glm5serve's kernels only
-            vllm_ops.split_linear_weights(model)
+            n = vllm_ops.split_linear_weights(model)
+            logger.info("glm5serve: %d Q4_0/Q5_0/Q8_0 linear weights regrouped into split rows", n)
         return model
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
