@@ -306,10 +306,11 @@ def test_activation_quantizer_compiles_without_spills():
 
 
 #: split-row GEMV (``gguf_split``) at its production tile for a 2048 x 6144 weight, SASS instructions per weight in
-#: the K loop, measured (triton 3.8) at M = 1, 2, 4, 8, 16: Q8_0 2.0, 2.6, 3.8, 5.1, 8.3; Q4_0 1.8, 2.4, 4.0, 4.8,
-#: 8.5; Q5_0 2.6, 3.4, 4.7, 7.3, 9.1 (the fp32 decode of GGUF rows it replaces: 8.2-11.4 at one row).  Budgets: +15 %.
-SPLIT_BUDGET = {g.Q8_0: (2.4, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.1, 2.8, 4.6, 5.6, 9.8),
-                g.Q5_0: (3.0, 3.9, 5.4, 8.4, 10.4)}
+#: the K loop, measured (triton 3.8) at M = 1, 2, 4, 8, 16: Q8_0 2.0, 2.6, 3.8, 5.1, 8.3; Q4_0 1.8, 1.7, 2.6, 4.9,
+#: 8.5; Q5_0 2.8, 3.4, 4.6, 6.5, 9.3 (the fp32 decode of GGUF rows it replaces: 8.2-11.4 at one row).  Budgets: +15 %,
+#: or the earlier budget where that is tighter.
+SPLIT_BUDGET = {g.Q8_0: (2.4, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.1, 2.0, 3.0, 5.6, 9.7),
+                g.Q5_0: (3.0, 3.9, 5.3, 7.5, 10.4)}
 
 
 @pytest.mark.parametrize("M", (1, 2, 4, 8, 16))
@@ -319,7 +320,7 @@ def test_split_rows_kernel_uses_dp4a_within_budget(qtype, M):
     (the codes are consecutive int32 words), 16-byte weight loads, no spills, no shuffles, and the budget above."""
     sp = importlib.import_module("glm5serve.kernels.gguf_split")
     c = sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132)
-    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xi_ptr="*i32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
                count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
     k = _compile(sp._gemv_split_kernel, sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs,
                                                   SPLIT_K=c.split_k, EMULATE=False),

@@ -75,7 +75,8 @@ def test_bad_input_is_refused_in_one_line():
     # (block_n, kbs, split_k, num_warps, block_m)
     (Q.Q8_0, 1, 2048, 6144, (8, 16, 4, 2, 1)),     # 256 row tiles: split-K to ~8 programs per SM, no empty split
     (Q.Q8_0, 1, 6144, 2048, (8, 16, 1, 2, 1)),     # 768 tiles fill the GPU
-    (Q.Q4_0, 3, 2048, 6144, (16, 16, 6, 4, 4)),
+    (Q.Q4_0, 3, 2048, 6144, (64, 16, 12, 4, 4)),   # 32 row tiles: split-K over all 12 K steps
+    (Q.Q4_0, 4, 6144, 2048, (64, 16, 4, 4, 4)),
     (Q.Q8_0, 16, 2048, 6144, (16, 16, 3, 4, 16)),  # 2 programs per SM aimed at from 5 rows
     (Q.Q5_0, 4, 512, 6144, (64, 4, 48, 4, 4)),
     (Q.Q5_0, 8, 6144, 2048, (32, 8, 2, 4, 8)),

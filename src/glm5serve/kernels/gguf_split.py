@@ -11,8 +11,8 @@ slower than the fp32 decode (``gguf_gemv_q8``).  A split row holds the same byte
 (tensor-parallel shards, fused shards), and the codes of consecutive blocks are consecutive int32 words: 16-byte
 loads, contiguous across a warp's lanes, multiplied with ``dp4a`` against int8 activations with llama.cpp's
 arithmetic (``vec_dot_q8_0_q8_1`` / ``vec_dot_q4_0_q8_1`` / ``vec_dot_q5_0_q8_1``, ggml/src/ggml-cuda/vecdotq.cuh),
-except that the ``- 8`` / ``- 16`` code offset of Q4_0/Q5_0 meets the integer sum of the block's activation codes (as
-llama.cpp does for Q6_K's ``- 32``), not the float sum of its activations: the whole weight then meets the rounded
+except that the ``- 8`` / ``- 16`` code offset of Q4_0/Q5_0 is applied to the codes themselves (signed codes,
+``_step_split``), not to the float sum of the block's activations: the whole weight then meets the rounded
 activations, whose error scales with |d (u - 8)| instead of |d u|, about half (H200, a 2048 x 6144 Q4_0 weight:
 relative error 0.0105 with float sums).  Regrouping quantized weights
 at load for the kernel that reads them is what llama.cpp's CPU backend does for Q4_0 (ggml-cpu/repack.cpp) and
@@ -51,6 +51,9 @@ SPLITTABLE = frozenset({Q4_0, Q5_0, Q8_0})  # split type id: SPLIT_BASE (0x100) 
 MAX_BLOCK_M = 16  # activation rows per program of the split-row GEMV
 #: (bytes of codes, bytes of qh) per block; the fp16 d of every block follows them
 _FIELDS = {Q8_0: (32, 0), Q4_0: (16, 0), Q5_0: (16, 4)}
+# int32 words 0x88888888 and 0xF0F0F0F0 (as signed values, so Triton keeps them int32)
+_MINUS_8 = tl.constexpr(0x88888888 - (1 << 32))
+_TOP_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))
 
 
 def split_type(qtype: int) -> int:
@@ -153,17 +156,20 @@ def _fifth_bits(qh, t: tl.constexpr):
 
 
 @triton.jit
-def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask,
+def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, mmask,
                 QTYPE: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr):
     """Blocks b0 .. b0 + KBS - 1 (those from ``end`` masked off) of BLOCK_N split rows against BLOCK_M rows of int8
-    activations (xw_ptr: codes as int32 words, xd_ptr: fp32 block scales, xi_ptr: int32 sums of each 16 codes,
-    Q4_0/Q5_0); acc [BLOCK_M, BLOCK_N, KBS] fp32.  row_ptr: int32 word pointers to the rows' codes ([BLOCK_N]),
-    d_ptr: uint16 pointers to their scales, qh_ptr: int32 pointers to their qh words (Q5_0).
+    activations (xw_ptr: codes as int32 words, xd_ptr: fp32 block scales); acc [BLOCK_M, BLOCK_N, KBS] fp32.
+    row_ptr: int32 word pointers to the rows' codes ([BLOCK_N]), d_ptr: uint16 pointers to their scales, qh_ptr:
+    int32 pointers to their qh words (Q5_0).
 
     Q8_0: word t of block kb is codes 4t..4t+3 (int8), against activation word 8 kb + t.  Q4_0/Q5_0: word t holds
     in byte b element 4t + b (low nibble) and 16 + 4t + b (high nibble), against activation words 8 kb + t and
     8 kb + 4 + t; Q5_0's fifth bit of element i is bit i of the block's qh word.  Weight d * q (Q8_0), d * (u - 8)
-    (Q4_0), d * (u - 16) (Q5_0), gguf-py ``Q8_0`` / ``Q4_0`` / ``Q5_0.dequantize_blocks``."""
+    (Q4_0), d * (u - 16) (Q5_0), gguf-py ``Q8_0`` / ``Q4_0`` / ``Q5_0.dequantize_blocks``.  The offset is folded
+    into the codes: u ^ 8 read as a 4-bit two's complement number is u - 8 (u ^ 16 as a 5-bit one is u - 16), so
+    moved to the top of its byte it is the signed byte 16 (u - 8) (Q4_0) or 8 (u - 16) (Q5_0), and dp4a sums
+    (u - OFFSET) q_x exactly, times that power of two."""
     BM: tl.constexpr = mrow.shape[0]
     BN: tl.constexpr = row_ptr.shape[0]
     kb = b0 + tl.arange(0, KBS)
@@ -181,9 +187,6 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, xi_ptr
         for i in tl.static_range(8):
             dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
     else:
-        so = (mrow * nb * 2)[:, None] + (2 * kb)[None, :]
-        smask = mmask[:, None] & bmask[None, :]
-        sq = tl.load(xi_ptr + so, mask=smask, other=0) + tl.load(xi_ptr + so + 1, mask=smask, other=0)
         dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
         t = tl.arange(0, 4)
         q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
@@ -192,28 +195,32 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, xi_ptr
         xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
         qw = _split4(q, BN, KBS)
         if QTYPE == 6:
-            qh = tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+            # inverted fifth bits: the codes become u ^ 16 (see below)
+            qh = ~tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
         for i in tl.static_range(4):
-            lo = qw[i] & 0x0F0F0F0F
-            hi = (qw[i] >> 4) & 0x0F0F0F0F
             if QTYPE == 6:
                 # slice i is word (i % 2) * 2 + i // 2 (``_split4`` order)
-                lo = lo | _fifth_bits(qh, (i % 2) * 2 + i // 2)
-                hi = hi | _fifth_bits(qh, (i % 2) * 2 + i // 2 + 4)
+                lo = ((qw[i] & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2)) << 3
+                hi = (((qw[i] >> 4) & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2 + 4)) << 3
+            else:
+                w = qw[i] ^ _MINUS_8  # every nibble u -> u ^ 8
+                lo = (w << 4) & _TOP_NIBBLES
+                hi = w & _TOP_NIBBLES
             dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
             dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
-        # minus OFFSET * (the block's code sum): the integer sum is exactly sum (u - OFFSET) q_x
-        OFFSET: tl.constexpr = 16 if QTYPE == 6 else 8
-        dot = dot - OFFSET * sq[:, None, :]
     dw = tl.load(d_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
     dw = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     xo = (mrow * nb)[:, None] + kb[None, :]
     dx = tl.load(xd_ptr + xo, mask=mmask[:, None] & bmask[None, :], other=0.0)[:, None, :]
-    return acc + dw * dx * dot.to(tl.float32)
+    if QTYPE == 8:
+        return acc + dw * dx * dot.to(tl.float32)
+    # dot is 16 (Q4_0) or 8 (Q5_0) times the integer sum; |dot| < 2^20, so the power-of-two scale is exact
+    UNSCALE: tl.constexpr = 0.125 if QTYPE == 6 else 0.0625
+    return acc + dw * dx * dot.to(tl.float32) * UNSCALE
 
 
 @triton.jit
-def _gemv_split_kernel(xw_ptr, xd_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
+def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                        stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
@@ -235,8 +242,8 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr
     mmask = mrow < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
     for b0 in range(blk_begin, blk_end, KBS):
-        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, xi_ptr, mrow, mmask, QTYPE,
-                          KBS, EMULATE)
+        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, mrow, mmask, QTYPE, KBS,
+                          EMULATE)
     y = tl.sum(acc, axis=2)
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
@@ -324,11 +331,14 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
 #: 9.0 / 6.1.  Q4_0 gate/up batch 1 9.5 / 10.5 / 11.8, batch 4 10.4 / 15.4 / 11.6; down batch 1 8.6 / 10.3 / 9.7.
 #: Q5_0 gate/up batch 1 10.0 / 12.8 / 11.5, batch 4 11.2 / 20.3 / 11.6; down batch 1 10.0 / 12.3 / 9.4, batch 8 15.4 /
 #: 21.0 / 9.3.  Tiles within 3 % of the best on the four swept shapes (expert gate/up and down, q_b/8, expert
-#: gate+up/8) were preferred shared across types.  That sweep's Q4_0/Q5_0 kernel took the offset with float activation
-#: sums; with the integer code sums (module docstring) the benchmark measured, us, batch 1 / 4: Q4_0 gate/up 9.7 / 13.6,
-#: Q5_0 10.2 / 13.6 (bf16 cuBLAS 11.7 / 11.8), Q8_0 9.6 / 10.9 (11.8 / 11.8): Q4_0/Q5_0 at 2..4 rows are not retuned.
+#: gate+up/8) were preferred shared across types.  Session 17 (codes made signed, ``_step_split``; 48 tiles x 2 aims
+#: at 2 and 4 rows, expert gate/up and down): Q4_0 at 2..4 rows takes 64 rows, kbs 16 (gate/up batch 4 10.0 against
+#: 10.6 us with the 16-row tile, down 9.8 against 10.7; batch 2 9.2 / 9.1 against 9.8 / 10.1); Q5_0 keeps its tile
+#: (within 1 % of the best at 4 rows; 64 rows, kbs 8, 2 warps would take 9.8 / 9.4 against 10.3 / 10.3 at 2 rows but
+#: more than 11.7 at 4).  Benchmark, same session, batch 1 / 4 / 16: Q4_0 gate/up 9.6 / 9.9 / 18.3, Q5_0 10.0 / 11.1 /
+#: 19.0, Q8_0 9.7 / 11.1 / 16.9 (bf16 cuBLAS 11.5 / 11.6 / 11.8).
 _SPLIT_TILE = {Q8_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
-               Q4_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
+               Q4_0: ((8, 16, 8, 2), (64, 16, 8, 4), (16, 16, 2, 4)),
                Q5_0: ((64, 4, 8, 4), (64, 4, 8, 4), (32, 8, 2, 4))}
 
 
@@ -392,7 +402,7 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     nb = K // 32
     block_m = min(config.block_m, MAX_BLOCK_M, _pow2_at_least(M))
     kbs = config.kbs
-    xq, xd, _, *xi = quantize_activations(x, sums16=qtype != Q8_0)
+    xq, xd, _ = quantize_activations(x)
     w = _as_words(qweight, qtype, unit=4)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), kbs) * kbs
     split = triton.cdiv(nb, blocks_per_split)
@@ -403,7 +413,7 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
         counters = _tile_counters(x.device, grid[0] * grid[2])
     else:
         part = counters = y  # unused
-    _gemv_split_kernel[grid](xq.view(torch.int32), xd, xi[0] if xi else xd, w, y, part, counters, M, N, nb, blocks_per_split,
-                             w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
+    _gemv_split_kernel[grid](xq.view(torch.int32), xd, w, y, part, counters, M, N, nb, blocks_per_split, w.stride(0),
+                             y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
                              SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, num_warps=config.num_warps)
     return y

@@ -197,8 +197,8 @@ def _half_step(v: torch.Tensor) -> torch.Tensor:
 def _q8_part(raw: torch.Tensor, qtype: int, dequant_fn=None) -> torch.Tensor:
     """The part of each weight that multiplies int8-rounded activations, float64 (N, K): for Q4_K and Q5_K the scaled
     code (W minus the same blocks dequantized with every code zeroed: the min term meets exact activation sums), for
-    Q8_0, Q6_K, Q4_0 and Q5_0 the whole weight (the - 32 / - 8 / - 16 code offsets meet the integer sums of the
-    rounded activations: ``gguf_gemv_q8``, ``gguf_split``)."""
+    Q8_0, Q6_K, Q4_0 and Q5_0 the whole weight (the - 32 / - 8 / - 16 code offsets meet the rounded activations:
+    integer code sums in ``gguf_gemv_q8``, signed codes in ``gguf_split``)."""
     dequant_fn = dequant_fn or dequant
     S = dequant_fn(raw, qtype)
     if Q(qtype) in (Q.Q4_K, Q.Q5_K):  # codes (Q5_K: qh, then qs) follow the 4 + 12 header bytes of ``block_q4_K``
