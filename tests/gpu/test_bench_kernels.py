@@ -8,7 +8,9 @@ pay; Python and launch overhead are not measured), call i on weight copy i mod n
 bandwidth counts the weight bytes it reads.  Weights are random codes with sane fp16 scales (speed does not
 depend on the values); each case first checks glm5serve's output against dequantize + fp32 matmul.  glm5serve
 reads each weight as it serves it: Q4_0/Q5_0/Q8_0 regrouped into split rows (``kernels.gguf_split.as_served``, what
-the model loader does); the plugin and cuBLAS columns read the GGUF rows and bf16 weights.
+the model loader does for linear layers; Q6_K stays GGUF unless ``$GLM5SERVE_SPLIT_Q6_K=1``); the plugin and cuBLAS
+columns read the GGUF rows and bf16 weights.  An expert shape here is timed as a linear of that shape: the MoE's 3-D
+expert tensors are never split (``test_bench_moe`` times them).
 
 Run on a GPU host (one command, about 5 minutes on an H200)::
 

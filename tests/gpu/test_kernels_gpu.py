@@ -24,7 +24,7 @@ from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 from glm5serve.kernels.gguf_moe import per_pair
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _q8_applies
-from glm5serve.kernels.gguf_split import as_served, gguf_linear_split, pick_split_config, split_rows, split_type
+from glm5serve.kernels.gguf_split import gguf_linear_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import (
     dequant,
     q8_activation_bound,
@@ -153,7 +153,7 @@ def test_gemv_glm5_shapes_production_config(qtype, shape, M):
         _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
 
 
-SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -165,11 +165,11 @@ SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
            st.sampled_from((8, 16, 32, 64)), st.sampled_from((1, 2, 4, 8, 16)), st.integers(1, 5),
            st.sampled_from((2, 4)))), seed=st.integers(0, 2**31))
 def test_split_rows_gemv_matches_gguf_py(qtype, blocks, N, M, dtype, tile, seed):
-    """gguf_linear on split rows (``gguf_split``: Q8_0/Q4_0/Q5_0 regrouped at load) against gguf-py's dequantizer of
-    the GGUF rows + fp64 matmul: within the int8 activation bound + fp32 sums up to 16 rows (drawn tiles, split-K,
+    """gguf_linear on split rows (``gguf_split``: Q8_0/Q4_0/Q5_0/Q6_K regrouped at load) against gguf-py's dequantizer
+    of the GGUF rows + fp64 matmul: within the int8 activation bound + fp32 sums up to 16 rows (drawn tiles, split-K,
     block boundaries, odd batches), and the tensor-core budget past them (dequantize + cuBLAS; any M: the plugin
-    cannot read split rows)."""
-    K = 32 * blocks
+    cannot read split rows).  Q6_K rows take 512 elements per 16 drawn blocks (at least 512)."""
+    K = 32 * blocks if qtype != Q.Q6_K else 512 * max(1, blocks // 16)
     x, w, ref, bound = _linear_case(qtype, M, N, K, dtype, seed)
     cfg = None
     if tile is not None and M <= 16:
@@ -189,18 +189,21 @@ def test_split_rows_gemv_matches_gguf_py(qtype, blocks, N, M, dtype, tile, seed)
 @pytest.mark.parametrize("shape", list(GLM5_SHAPES), ids=str)
 @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
 def test_split_rows_glm5_shapes_production_config(qtype, shape, M):
-    """Q8_0/Q4_0/Q5_0 as glm5serve serves them (split rows, ``as_served``) with pick_split_config's launch, on every
-    GLM-5 shape of the benchmark, within the int8 activation bound."""
+    """Q8_0/Q4_0/Q5_0/Q6_K split rows (as ``gguf_split.as_served`` serves them; Q6_K on request) with
+    pick_split_config's launch, on every GLM-5 shape of the benchmark whose rows have a split layout, within the
+    int8 activation bound."""
     from glm5serve.dequant import dequantize
+    from glm5serve.kernels.gguf_split import can_split
 
     N, K = GLM5_SHAPES[shape]
+    if not can_split(qtype, K):
+        pytest.skip(f"{qtype.name} rows of K={K} stay GGUF (one block): the GGUF-row tests cover them")
     gen = torch.Generator(DEV).manual_seed(M * 1000 + N + int(qtype))
     w = random_qweight_torch(qtype, (N, K), DEV, gen)
     x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
     W = dequantize(w, qtype, dtype=torch.float32).double()
     ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
-    served, stype = as_served(w, qtype, K)
-    assert stype == split_type(qtype)
+    served, stype = split_rows(w, qtype, K), split_type(qtype)
     q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double()).cpu()
     _assert_close(gguf_linear(x, served, stype, N), ref, bound, 2.0 ** -16, f"{qtype.name}/split {shape} M={M}",
                   extra=q8)

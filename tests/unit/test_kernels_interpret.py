@@ -432,21 +432,22 @@ else:
         assert supports_moe(Q.Q4_K, Q.Q6_K, 256, 6144, 2048) and not supports_moe(Q.Q4_K, Q.Q2_K, 1, 6144, 2048)
         assert not supports_moe(Q.Q4_K, Q.Q6_K, 257, 6144, 2048)
 
-    SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+    SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
 
     @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
     def test_split_rows_dequantize_exactly(qtype):
         """Split rows (``gguf_split``) decoded by their STORE kernel equal gguf-py's dequantizer of the GGUF rows they
         came from, bit for bit in fp32 (d * code is exact), on 13 rows (a partial row tile) of 10 blocks (a partial
-        K step of 8), from a row slice of a padded weight."""
+        K step of 8; Q6_K: 2 blocks), from a row slice of a padded weight."""
         from glm5serve.kernels.gguf_gemv import dequantize_rows
         from glm5serve.kernels.gguf_split import split_rows, split_type
 
         rng = np.random.default_rng(200 + int(qtype))
-        raw = random_qweight(qtype, 16, 320, rng)
+        K = 512 if qtype == Q.Q6_K else 320
+        raw = random_qweight(qtype, 16, K, rng)
         padded = torch.from_numpy(np.concatenate([raw, rng.integers(0, 256, (16, 6), dtype=np.uint8)], axis=1))
-        split = split_rows(padded, qtype, 320)
-        got = dequantize_rows(split[2:15], split_type(qtype), 320, dtype=torch.float32)
+        split = split_rows(padded, qtype, K)
+        got = dequantize_rows(split[2:15], split_type(qtype), K, dtype=torch.float32)
         assert torch.equal(got.double(), torch.as_tensor(dequant(raw[2:15], qtype)).double())
 
     @settings(max_examples=12, deadline=None)
@@ -462,7 +463,7 @@ else:
         from glm5serve.kernels.gguf_split import split_rows, split_type
         from glm5serve.kernels.testing import q8_activation_bound
 
-        K = 32 * blocks
+        K = 256 * blocks if qtype == Q.Q6_K else 32 * blocks
         x, w, ref, bound = _case(qtype, M, N, K, seed, dtype=torch.bfloat16)
         block_m = min(16, 1 << (M - 1).bit_length())
         cfg = None if default else GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, block_m=block_m, q8=True)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from glm5serve.kernels.gguf_gemv import supports
 from glm5serve.kernels.gguf_split import (
+    SPLIT_Q6_K_ENV,
     SPLIT_QTYPES,
     as_served,
     base_type,
@@ -24,13 +25,13 @@ from glm5serve.kernels.gguf_split import (
     split_type,
 )
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
 FIELDS = {Q.Q8_0: [("d", 0, 2), ("qs", 2, 34)], Q.Q4_0: [("d", 0, 2), ("qs", 2, 18)],
           Q.Q5_0: [("d", 0, 2), ("qh", 2, 6), ("qs", 6, 22)]}  # (name, start, end) in a GGUF block (ggml-common.h)
 
 
 @settings(max_examples=30, deadline=None)
-@given(qtype=st.sampled_from(TYPES), lead=st.sampled_from(((3,), (2, 5))), blocks=st.sampled_from((2, 4, 8)),
+@given(qtype=st.sampled_from(TYPES[:3]), lead=st.sampled_from(((3,), (2, 5))), blocks=st.sampled_from((2, 4, 8)),
        pad=st.integers(0, 5), seed=st.integers(0, 2**16))
 def test_split_rows_regroup_fields_losslessly(qtype, lead, blocks, pad, seed):
     """Every row's bytes become qs of all blocks | qh of all blocks | d of all blocks, each in block order; padding
@@ -46,16 +47,58 @@ def test_split_rows_regroup_fields_losslessly(qtype, lead, blocks, pad, seed):
     assert torch.equal(join_rows(split, split_type(qtype), 32 * blocks), raw)
 
 
-def test_type_ids_and_layout_conditions():
+def _q6_k_split_weights(row: np.ndarray, nb: int) -> np.ndarray:
+    """The weights of one Q6_K split row (nb 256-element blocks) read as ``gguf_split._step_split`` documents the
+    layout, element by element: qs[16] | qh[8] per 32-element group, int8 scale pairs, fp16 d per block."""
+    g = 8 * nb
+    qs, qh = row[:16 * g].reshape(g, 16), row[16 * g:24 * g].reshape(g, 8)
+    sc = row[24 * g:26 * g].view(np.int8).reshape(g, 2).astype(np.float64)
+    d = row[26 * g:26 * g + 2 * nb].view(np.float16).astype(np.float64)
+    w = np.empty((g, 32))
+    for grp in range(g):
+        for i in range(32):
+            half, j = divmod(i, 16)
+            p, r = divmod(j // 4, 2)
+            low = (int(qs[grp, j]) >> (4 * half)) & 0xF
+            top = (int(qh[grp, 4 * p + j % 4]) >> (4 * r + 2 * half)) & 3
+            w[grp, i] = d[grp // 8] * sc[grp, half] * ((low | top << 4) - 32)
+    return w.reshape(-1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(nb=st.sampled_from((2, 4)), pad=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_q6_k_split_rows_hold_the_same_weights(nb, pad, seed):
+    """Q6_K split rows re-lay each block's bits per 32-element group: read back by the documented layout they give
+    gguf-py's dequantization of the GGUF rows, the padding stays, and ``join_rows`` restores the bytes."""
+    from gguf import quants
+
+    raw = np.random.default_rng(seed).integers(0, 256, (3, 210 * nb + pad), dtype=np.uint8)
+    raw[:, 209:210 * nb:210] &= 0x3F  # the fp16 d of each block kept finite (high byte), other bytes random
+    split = split_rows(torch.from_numpy(raw), Q.Q6_K, 256 * nb)
+    ref = quants.dequantize(raw[:, :210 * nb], Q.Q6_K).astype(np.float64)
+    for n in range(3):
+        np.testing.assert_array_equal(_q6_k_split_weights(split[n].numpy(), nb), ref[n])
+    assert torch.equal(split[:, 210 * nb:], torch.from_numpy(raw[:, 210 * nb:]))
+    assert torch.equal(join_rows(split, split_type(Q.Q6_K), 256 * nb), torch.from_numpy(raw))
+
+
+def test_type_ids_and_layout_conditions(monkeypatch):
     assert {split_type(q) for q in TYPES} == SPLIT_QTYPES and all(base_type(split_type(q)) == q for q in TYPES)
     assert base_type(Q.Q4_K) == Q.Q4_K
     assert can_split(Q.Q8_0, 64) and not can_split(Q.Q8_0, 96) and not can_split(Q.Q4_K, 512)
+    assert can_split(Q.Q6_K, 512) and not can_split(Q.Q6_K, 256) and not can_split(Q.Q6_K, 768)
     w = torch.zeros(4, 3 * 34, dtype=torch.uint8)
     assert as_served(w, Q.Q8_0, 96) == (w, int(Q.Q8_0))  # 3 blocks per row: stays GGUF
     got, t = as_served(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64)
     assert t == split_type(Q.Q8_0) and got.shape == (4, 68)
+    q6 = torch.zeros(4, 420, dtype=torch.uint8)
+    monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
+    assert as_served(q6, Q.Q6_K, 512) == (q6, int(Q.Q6_K))  # Q6_K is served as GGUF rows unless asked
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "1")
+    assert as_served(q6, Q.Q6_K, 512)[1] == split_type(Q.Q6_K)
     # split rows are only read by glm5serve: every batch size, K of an even number of blocks
     assert supports(split_type(Q.Q5_0), 4096, 7, 64) and not supports(split_type(Q.Q5_0), 1, 7, 96)
+    assert supports(split_type(Q.Q6_K), 3, 7, 1024) and not supports(split_type(Q.Q6_K), 3, 7, 768)
 
 
 def test_bad_input_is_refused_in_one_line():
@@ -81,6 +124,9 @@ def test_bad_input_is_refused_in_one_line():
     (Q.Q5_0, 4, 512, 6144, (64, 4, 48, 4, 4)),
     (Q.Q5_0, 8, 6144, 2048, (32, 8, 2, 4, 8)),
     (Q.Q4_0, 1, 7, 64, (8, 2, 1, 2, 1)),           # kbs capped to the row's 2 blocks
+    (Q.Q6_K, 1, 19360, 6144, (64, 4, 1, 4, 1)),    # lm_head/8: 303 row tiles fill the GPU
+    (Q.Q6_K, 4, 6144, 2048, (64, 4, 8, 4, 4)),     # 96 row tiles: split-K aims at 11, 8 leaves no empty split
+    (Q.Q6_K, 16, 2048, 6144, (16, 8, 3, 4, 16)),
 ])
 def test_pick_split_config_examples(qtype, M, N, K, expect):
     c = pick_split_config(split_type(qtype), M, N, K, 132)
@@ -92,16 +138,17 @@ class _Types:
         self.weight_type, self.shard_weight_type = weight_type, dict(shard_weight_type)
 
 
-def _layer(method_cls, rows_types, K, pad=0, seed=0):
+def _layer(method_cls, rows_types, K, pad=0, seed=0, module_cls=torch.nn.Module):
     """A module shaped as vllm-gguf-plugin leaves a GGUF linear after loading: ``qweight`` (fused shards stacked,
     padded to the widest row, with ``shard_id``/``shard_offset_map``), ``qweight_type``, ``input_size_per_partition``."""
     rng = np.random.default_rng(seed)
     width = max(K // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for _, t in rows_types) + pad
-    layer = torch.nn.Module()
+    layer = module_cls.__new__(module_cls)
+    torch.nn.Module.__init__(layer)
     layer.quant_method = method_cls.__new__(method_cls)
     data = torch.from_numpy(rng.integers(0, 256, (sum(r for r, _ in rows_types), width), dtype=np.uint8))
     layer.qweight = torch.nn.Parameter(data, requires_grad=False)
-    layer.input_size_per_partition = K
+    layer.input_size_per_partition = layer.embedding_dim = K
     if len(rows_types) > 1:
         layer.qweight.shard_id = list(range(len(rows_types)))
         offsets, start = {}, 0
@@ -115,9 +162,11 @@ def _layer(method_cls, rows_types, K, pad=0, seed=0):
     return layer
 
 
-def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
+def test_split_linear_weights_regroups_gguf_linears_and_their_shards(monkeypatch):
     pytest.importorskip("vllm_gguf_plugin", reason="vllm / vllm-gguf-plugin not installed")
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+    from vllm_gguf_plugin.quantization.vocal_embeds import GGUFEmbeddingMethod
 
     from glm5serve.kernels.vllm_ops import split_linear_weights, split_weight_count
 
@@ -127,16 +176,23 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
     K = 64
     plain = _layer(GGUFLinearMethod, [(5, Q.Q8_0)], K, seed=1)
     fused = _layer(GGUFLinearMethod, [(3, Q.Q5_0), (4, Q.Q5_0)], K, seed=2)
-    mixed = _layer(GGUFLinearMethod, [(3, Q.Q6_K), (4, Q.Q4_0)], 256, seed=3)  # K-quant shard stays GGUF
+    mixed = _layer(GGUFLinearMethod, [(3, Q.Q6_K), (4, Q.Q4_0)], 256, seed=3)  # one Q6_K block a row: stays GGUF
     kquant = _layer(GGUFLinearMethod, [(2, Q.Q4_K)], 256, seed=4)
     odd = _layer(GGUFLinearMethod, [(2, Q.Q8_0)], 96, seed=5)  # 3 blocks per row
     other = _layer(OtherMethod, [(2, Q.Q8_0)], K, seed=6)
-    model = torch.nn.ModuleList([plain, fused, mixed, kquant, odd, other])
+    head = _layer(GGUFEmbeddingMethod, [(6, Q.Q6_K)], 512, seed=7, module_cls=ParallelLMHead)  # untied lm_head
+    q6 = _layer(GGUFLinearMethod, [(3, Q.Q6_K)], 512, seed=9)
+    embed = _layer(GGUFEmbeddingMethod, [(6, Q.Q8_0)], K, seed=8, module_cls=VocabParallelEmbedding)  # looked up
+    model = torch.nn.ModuleList([plain, fused, mixed, kquant, odd, other, head, embed, q6])
     before = {id(m): m.qweight.detach().clone() for m in model}
+    monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
     assert split_linear_weights(model, devices=("cuda",)) == 0  # CPU weights are not the kernels' (default)
     assert split_weight_count(model) == 0
-    assert split_linear_weights(model, devices=("cpu",)) == 3
-    assert split_weight_count(model) == 3
+    assert split_linear_weights(model, devices=("cpu",)) == 3  # Q6_K only on request
+    assert split_weight_count(model) == 3 and q6.qweight_type.weight_type == Q.Q6_K
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "1")
+    assert split_linear_weights(model, devices=("cpu",)) == 2  # the Q6_K lm_head and linear; split ids are left
+    assert split_weight_count(model) == 5
 
     assert plain.qweight_type.weight_type == split_type(Q.Q8_0)
     assert torch.equal(plain.qweight.data, split_rows(before[id(plain)], Q.Q8_0, K))
@@ -148,5 +204,8 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards():
     assert torch.equal(mixed.qweight.data[:3], old[:3])
     assert torch.equal(mixed.qweight.data[3:7, :144], split_rows(old[3:7, :144], Q.Q4_0, 256))
     assert torch.equal(mixed.qweight.data[3:7, 144:], old[3:7, 144:])  # the padding of the narrower shard
-    for m in (kquant, odd, other):
+    for m in (head, q6):
+        assert m.qweight_type.weight_type == split_type(Q.Q6_K)
+        assert torch.equal(m.qweight.data, split_rows(before[id(m)], Q.Q6_K, 512))
+    for m in (kquant, odd, other, embed):
         assert torch.equal(m.qweight.data, before[id(m)]) and m.qweight_type.weight_type < 0x100

@@ -61,9 +61,10 @@ SUPPORTED_QTYPES = frozenset(BLOCK_SIZES)
 _NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # Types whose blocks are a whole number of 32-bit words: loaded as int32 words.
 _WORD_TYPES = frozenset({Q4_K, Q5_K})
-# Q4_0/Q5_0/Q8_0 weights regrouped into split rows at load time (``gguf_split``) carry type id SPLIT_BASE + GGML id.
+# Q4_0/Q5_0/Q8_0/Q6_K weights regrouped into split rows at load time (``gguf_split``) carry type id SPLIT_BASE + GGML
+# id.
 SPLIT_BASE = 0x100
-SPLIT_QTYPES = frozenset(SPLIT_BASE + q for q in (Q4_0, Q5_0, Q8_0))
+SPLIT_QTYPES = frozenset(SPLIT_BASE + q for q in (Q4_0, Q5_0, Q8_0, Q6_K))
 MAX_FAST_M = 16   # decode kernels (GEMV FMA / int8 / tensor-core paths; per-(token, expert) MoE, see gguf_moe)
 MAX_GEMM_M = 256  # up to 256 rows: dequantize to bf16 + cuBLAS (grouped by expert for MoE); beyond: the plugin's
 
@@ -791,7 +792,7 @@ def supports(qtype: int, M: int, N: int, K: int) -> bool:
     (``gguf_split``) any M >= 1 and K of an even number of blocks."""
     qtype = int(qtype)
     if qtype in SPLIT_QTYPES:  # only glm5serve reads split rows: every batch size
-        return M >= 1 and N >= 1 and K > 0 and K % 64 == 0
+        return M >= 1 and N >= 1 and K > 0 and K % (2 * BLOCK_SIZES[qtype - SPLIT_BASE][0]) == 0
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
 
 
@@ -887,7 +888,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         qweight: (>= N, >= row_bytes) uint8 raw GGUF rows, ``row_bytes = K / block_elems * block_bytes``;
             extra columns (padding, as the plugin's merged weights have) are ignored.  Rows must be contiguous.
         qtype: GGML type id, one of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; or a split type id: split rows of
-            Q4_0/Q5_0/Q8_0 (``gguf_split.gguf_linear_split``, any M).
+            Q4_0/Q5_0/Q8_0/Q6_K (``gguf_split.gguf_linear_split``, any M).
         N: output features (rows of the weight used).
         config: launch parameters (default: ``pick_config``; ``q8`` applies to Q8_TYPES with bf16/fp16 x and
             is ignored otherwise; for bf16/fp16 x of more than MAX_FAST_M rows the

@@ -1,4 +1,4 @@
-"""Q4_0, Q5_0 and Q8_0 weights regrouped at load time into split rows, and their int8-activation GEMV.
+"""Q4_0, Q5_0, Q8_0 and Q6_K weights regrouped at load time into split rows, and their int8-activation GEMV.
 
 GGUF's legacy blocks (gguf-py ``gguf/quants.py``; llama.cpp ``block_q4_0`` / ``block_q5_0`` / ``block_q8_0`` in
 ggml/src/ggml-common.h) start with an fp16 scale d, so their 18-, 22- and 34-byte blocks are only 2-byte aligned:
@@ -14,9 +14,17 @@ arithmetic (``vec_dot_q8_0_q8_1`` / ``vec_dot_q4_0_q8_1`` / ``vec_dot_q5_0_q8_1`
 except that the ``- 8`` / ``- 16`` code offset of Q4_0/Q5_0 is applied to the codes themselves (signed codes,
 ``_step_split``), not to the float sum of the block's activations: the whole weight then meets the rounded
 activations, whose error scales with |d (u - 8)| instead of |d u|, about half (H200, a 2048 x 6144 Q4_0 weight:
-relative error 0.0105 with float sums).  Regrouping quantized weights
-at load for the kernel that reads them is what llama.cpp's CPU backend does for Q4_0 (ggml-cpu/repack.cpp) and
-vLLM does for GPTQ (``gptq_marlin_repack``).
+relative error 0.0105 with float sums).
+
+Q6_K's 210-byte blocks (``block_q6_K``: ql[128] | qh[64] | int8 scales[16] | d) are 2-byte aligned as well, and
+their codes are spread over ql and qh so that one 32-element activation block needs bytes from both halves of ql.
+Its split row re-lays the same bits per 32-element group (the layout in ``_step_split``)::
+
+    Q6_K: qs[16 nb] | qh[8 nb] | scales[2 nb] | d[2 nb / 8]        (nb 32-element groups per row)
+
+so each group reads like a Q4_0 block plus two qh words and two scales (llama.cpp's ``vec_dot_q6_K_q8_1`` takes
+the same products in another order).  Regrouping quantized weights at load for the kernel that reads them is
+what llama.cpp's CPU backend does for Q4_0 (ggml-cpu/repack.cpp) and vLLM does for GPTQ (``gptq_marlin_repack``).
 
 A split weight carries its own type id, ``SPLIT_BASE`` + the GGML id (``split_type``), so it can never be read as
 GGUF bytes by mistake: ``gguf_linear`` and ``dequantize_rows`` take it at any batch size, and ``kernels.vllm_ops``
@@ -24,6 +32,8 @@ sends every call of a split type here (the plugin's kernels cannot read it).  Ro
 GGUF (a row must be whole int32 words; ``can_split``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -34,6 +44,7 @@ from glm5serve.kernels.gguf_gemv import (
     MAX_FAST_M,
     Q4_0,
     Q5_0,
+    Q6_K,
     Q8_0,
     SPLIT_BASE,
     SPLIT_QTYPES,
@@ -47,17 +58,19 @@ from glm5serve.kernels.gguf_gemv import (
 )
 from glm5serve.kernels.gguf_gemv_q8 import _dp4a, _split8, quantize_activations
 
-SPLITTABLE = frozenset({Q4_0, Q5_0, Q8_0})  # split type id: SPLIT_BASE (0x100) + GGML type id
+SPLITTABLE = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})  # split type id: SPLIT_BASE (0x100) + GGML type id
 MAX_BLOCK_M = 16  # activation rows per program of the split-row GEMV
 #: (bytes of codes, bytes of qh) per block; the fp16 d of every block follows them
 _FIELDS = {Q8_0: (32, 0), Q4_0: (16, 0), Q5_0: (16, 4)}
 # int32 words 0x88888888 and 0xF0F0F0F0 (as signed values, so Triton keeps them int32)
 _MINUS_8 = tl.constexpr(0x88888888 - (1 << 32))
 _TOP_NIBBLES = tl.constexpr(0xF0F0F0F0 - (1 << 32))
+_TOP_2BITS = tl.constexpr(0xC0C0C0C0 - (1 << 32))
+_SIGN_BITS = tl.constexpr(0x80808080 - (1 << 32))
 
 
 def split_type(qtype: int) -> int:
-    """The split-row type id of GGML type ``qtype`` (Q4_0, Q5_0 or Q8_0)."""
+    """The split-row type id of GGML type ``qtype`` (Q4_0, Q5_0, Q8_0 or Q6_K)."""
     if int(qtype) not in SPLITTABLE:
         raise ValueError(f"split rows: no split layout for {_NAMES.get(int(qtype), f'GGML type {qtype}')}")
     return SPLIT_BASE + int(qtype)
@@ -76,33 +89,91 @@ def type_name(qtype: int) -> str:
 
 def can_split(qtype: int, K: int) -> bool:
     """Whether rows of K elements of ``qtype`` have a split layout: a splittable type and an even number of
-    blocks (the codes are read as int32 words; rows of 34 nb bytes are whole words only for even nb)."""
-    return int(qtype) in SPLITTABLE and K > 0 and K % 32 == 0 and (K // 32) % 2 == 0
+    blocks (the codes are read as int32 words; rows of 34 nb or 210 nb bytes are whole words only for even nb)."""
+    qtype = int(qtype)
+    return qtype in SPLITTABLE and K > 0 and K % (2 * BLOCK_SIZES[qtype][0]) == 0
+
+
+def _q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q6_K blocks (..., 210) uint8 -> their 256 six-bit codes q (..., 256) uint8, in element order: element
+    128 n + 64 h + 32 c + l is nibble h of ``ql[64 n + 32 c + l]`` with bits 2 c + 4 h of ``qh[32 n + l]`` above it
+    (llama.cpp ``dequantize_row_q6_K``, ggml/src/ggml-quants.c)."""
+    ql = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 1, 2, 32)  # (n, h, c, l)
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 1, 32)
+    h = torch.arange(2, device=blocks.device).view(2, 1, 1)
+    c = torch.arange(2, device=blocks.device).view(1, 2, 1)
+    q = ((ql >> (4 * h)) & 0xF) | (((qh >> (2 * c + 4 * h)) & 3) << 4)
+    return q.reshape(*blocks.shape[:-1], 256).to(torch.uint8)
+
+
+def _q6_k_blocks(q: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_q6_k_codes``: codes (..., 256) and the blocks' scales | d bytes (..., 18) -> blocks."""
+    q = q.to(torch.int32).reshape(*q.shape[:-1], 2, 2, 2, 32)  # (n, h, c, l)
+    ql = (q[..., 0, :, :] & 0xF) | ((q[..., 1, :, :] & 0xF) << 4)
+    h = torch.arange(2, device=q.device).view(2, 1, 1)
+    c = torch.arange(2, device=q.device).view(1, 2, 1)
+    qh = ((q >> 4) << (2 * c + 4 * h)).sum(dim=(-3, -2))
+    lead = q.shape[:-4]
+    return torch.cat([ql.reshape(*lead, 128).to(torch.uint8), qh.reshape(*lead, 64).to(torch.uint8), tail], dim=-1)
+
+
+def _q6_k_split(blocks: torch.Tensor) -> torch.Tensor:
+    """(rows, nb, 210) GGUF Q6_K blocks -> (rows, 210 nb) split rows: for each 32-element group g (8 per block,
+    row-wide index 8 kb + g), qs[16] | qh[8] of all groups, then the int8 scales and the fp16 d of all blocks
+    (layout in ``_step_split``)."""
+    n, nb = blocks.shape[:2]
+    q = _q6_k_codes(blocks).to(torch.int32).reshape(n, nb * 8, 2, 16)  # (group, half, j): element 32 g + 16 half + j
+    low, high = q & 0xF, q >> 4
+    qs = low[..., 0, :] | (low[..., 1, :] << 4)
+    hb = high.reshape(n, nb * 8, 2, 2, 2, 4)  # (group, half, p, r, b): j = 4 (2 p + r) + b
+    ar = torch.arange(2, device=q.device)
+    qh = (hb << (2 * ar.view(2, 1, 1, 1) + 4 * ar.view(1, 1, 2, 1))).sum(dim=(2, 4))  # byte 4 p + b of the group
+    return torch.cat([qs.reshape(n, -1).to(torch.uint8), qh.reshape(n, -1).to(torch.uint8),
+                      blocks[..., 192:208].reshape(n, -1), blocks[..., 208:].reshape(n, -1)], dim=-1)
+
+
+def _q6_k_join(rows: torch.Tensor, nb: int) -> torch.Tensor:
+    """The inverse of ``_q6_k_split``: (rows, 210 nb) split rows -> (rows, nb, 210) GGUF blocks."""
+    n, g = rows.shape[0], nb * 8
+    qs = rows[:, :16 * g].to(torch.int32).reshape(n, g, 1, 16)
+    qh = rows[:, 16 * g:24 * g].to(torch.int32).reshape(n, g, 1, 2, 1, 4)
+    ar = torch.arange(2, device=rows.device)
+    low = (qs >> (4 * ar.view(2, 1))) & 0xF  # (group, half, j)
+    high = (qh >> (2 * ar.view(2, 1, 1, 1) + 4 * ar.view(1, 1, 2, 1))) & 3  # (group, half, p, r, b)
+    q = (low | (high.reshape(n, g, 2, 16) << 4)).reshape(n, nb, 256)
+    tail = torch.cat([rows[:, 24 * g:26 * g].reshape(n, nb, 16), rows[:, 26 * g:].reshape(n, nb, 2)], dim=-1)
+    return _q6_k_blocks(q, tail)
 
 
 def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch.Tensor:
     qtype = int(qtype)
+    if qtype not in SPLITTABLE:
+        raise ValueError(f"split rows: no split layout for {type_name(qtype)}")
     if not can_split(qtype, K):
         raise ValueError(f"split rows: {type_name(qtype)} rows of K={K} have no split layout (need an even number "
-                         f"of 32-element blocks)")
-    nb, bb = K // 32, BLOCK_SIZES[qtype][1]
+                         f"of {BLOCK_SIZES[qtype][0]}-element blocks)")
+    qk, bb = BLOCK_SIZES[qtype]
+    nb = K // qk
     rb = nb * bb
     if qweight.dtype != torch.uint8 or qweight.shape[-1] < rb:
         raise ValueError(f"split rows: {type_name(qtype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold uint8 rows of {rb} bytes (K={K})")
-    qs, qh = _FIELDS[qtype]
     out = qweight.clone()
     rows = qweight[..., :rb].reshape(-1, rb)
-    if to_split:  # GGUF block: d | (qh) | qs
-        blocks = rows.reshape(-1, nb, bb)
+    n = rows.shape[0]
+    if qtype == Q6_K:
+        new = _q6_k_split(rows.reshape(n, nb, bb)) if to_split else _q6_k_join(rows, nb).reshape(n, rb)
+    elif to_split:  # GGUF block: d | (qh) | qs
+        qh = _FIELDS[qtype][1]
+        blocks = rows.reshape(n, nb, bb)
         parts = (blocks[..., 2 + qh:], blocks[..., 2:2 + qh], blocks[..., :2])
-        new = torch.cat([p.reshape(rows.shape[0], -1) for p in parts], dim=-1)
+        new = torch.cat([p.reshape(n, -1) for p in parts], dim=-1)
     else:
-        n = rows.shape[0]
+        qs, qh = _FIELDS[qtype]
         codes = rows[:, :nb * qs].reshape(n, nb, qs)
         hbits = rows[:, nb * qs:nb * (qs + qh)].reshape(n, nb, qh)
         d = rows[:, nb * (qs + qh):].reshape(n, nb, 2)
-        new = torch.cat([d, hbits, codes], dim=-1).reshape(rows.shape[0], rb)
+        new = torch.cat([d, hbits, codes], dim=-1).reshape(n, rb)
     out[..., :rb] = new.reshape(*qweight.shape[:-1], rb)
     return out
 
@@ -111,9 +182,9 @@ def split_rows(qweight: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
     """Raw GGUF rows -> split rows (module docstring), on the tensor's device.
 
     Args:
-        qweight: (..., >= row_bytes) uint8 GGUF rows of ``qtype`` (Q4_0, Q5_0 or Q8_0), row_bytes = K / 32 * block
-            bytes; columns past row_bytes (padding) are copied unchanged.
-        K: elements per row, an even number of 32-element blocks (``can_split``).
+        qweight: (..., >= row_bytes) uint8 GGUF rows of ``qtype`` (Q4_0, Q5_0, Q8_0 or Q6_K), row_bytes = K / block
+            elements * block bytes; columns past row_bytes (padding) are copied unchanged.
+        K: elements per row, an even number of blocks (``can_split``: 32 elements, Q6_K 256).
     Returns:
         A new tensor of the same shape and dtype whose first row_bytes of every row are the split row; its type id
         is ``split_type(qtype)``.
@@ -156,12 +227,12 @@ def _fifth_bits(qh, t: tl.constexpr):
 
 
 @triton.jit
-def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, mmask,
+def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, mmask,
                 QTYPE: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr):
     """Blocks b0 .. b0 + KBS - 1 (those from ``end`` masked off) of BLOCK_N split rows against BLOCK_M rows of int8
     activations (xw_ptr: codes as int32 words, xd_ptr: fp32 block scales); acc [BLOCK_M, BLOCK_N, KBS] fp32.
     row_ptr: int32 word pointers to the rows' codes ([BLOCK_N]), d_ptr: uint16 pointers to their scales, qh_ptr:
-    int32 pointers to their qh words (Q5_0).
+    int32 pointers to their qh words (Q5_0, Q6_K), sc_ptr: int16 pointers to their scale pairs (Q6_K).
 
     Q8_0: word t of block kb is codes 4t..4t+3 (int8), against activation word 8 kb + t.  Q4_0/Q5_0: word t holds
     in byte b element 4t + b (low nibble) and 16 + 4t + b (high nibble), against activation words 8 kb + t and
@@ -169,7 +240,14 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, 
     (Q4_0), d * (u - 16) (Q5_0), gguf-py ``Q8_0`` / ``Q4_0`` / ``Q5_0.dequantize_blocks``.  The offset is folded
     into the codes: u ^ 8 read as a 4-bit two's complement number is u - 8 (u ^ 16 as a 5-bit one is u - 16), so
     moved to the top of its byte it is the signed byte 16 (u - 8) (Q4_0) or 8 (u - 16) (Q5_0), and dp4a sums
-    (u - OFFSET) q_x exactly, times that power of two."""
+    (u - OFFSET) q_x exactly, times that power of two.
+
+    Q6_K (nb counts 32-element groups, 8 per 256-element block): group g's codes are laid out as Q4_0's (word t,
+    byte b: the low 4 bits of elements 4t + b and 16 + 4t + b), and the top 2 bits of each code are in its 2 qh
+    words: word p, byte b holds at bits 4r and 4r + 2 those of elements 4t + b and 16 + 4t + b, t = 2p + r.  Both
+    halves of a group have an int8 scale (elements 0-15 and 16-31: the block's scales 2g' and 2g' + 1); the
+    block's fp16 d covers 8 groups.  u - 32 is the 6-bit two's complement number u ^ 32, so the top-aligned byte
+    ((low << 2) | (top << 6)) ^ 0x80 is 4 (u - 32).  Weight d * scale * (u - 32) (gguf-py ``Q6_K``)."""
     BM: tl.constexpr = mrow.shape[0]
     BN: tl.constexpr = row_ptr.shape[0]
     kb = b0 + tl.arange(0, KBS)
@@ -186,6 +264,30 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, 
         xv = _split8(xw, BM, KBS)
         for i in tl.static_range(8):
             dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
+    elif QTYPE == 14:
+        t = tl.arange(0, 4)
+        q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
+                    other=0, eviction_policy="evict_first")
+        xlo = _split4(tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0), BM, KBS)
+        xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
+        qw = _split4(q, BN, KBS)
+        p = tl.arange(0, 2)
+        qh0, qh1 = tl.split(tl.load(qh_ptr[:, None, None] + (kb * 2)[None, :, None] + p[None, None, :],
+                                    mask=bmask[None, :, None], other=0, eviction_policy="evict_first"))
+        dlo = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+        dhi = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+        for i in tl.static_range(4):
+            # slice i is word t = (i % 2) * 2 + i // 2 (``_split4`` order): qh word p = i % 2, r = i // 2
+            if i % 2 == 0:
+                qh = qh0
+            else:
+                qh = qh1
+            lo = (((qw[i] << 2) & 0x3C3C3C3C) | ((qh << (6 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+            hi = (((qw[i] >> 2) & 0x3C3C3C3C) | ((qh << (4 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+            dlo = _dp4a_bcast(lo, xlo[i], dlo, EMULATE)
+            dhi = _dp4a_bcast(hi, xhi[i], dhi, EMULATE)
+        sc = tl.load(sc_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0).to(tl.int32)
+        dot = dlo * ((sc << 24) >> 24)[None, :, :] + dhi * (sc >> 8)[None, :, :]
     else:
         dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
         t = tl.arange(0, 4)
@@ -208,14 +310,14 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, end, nb, xw_ptr, xd_ptr, mrow, 
                 hi = w & _TOP_NIBBLES
             dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
             dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
-    dw = tl.load(d_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    dw = tl.load(d_ptr[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=bmask[None, :], other=0)
     dw = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     xo = (mrow * nb)[:, None] + kb[None, :]
     dx = tl.load(xd_ptr + xo, mask=mmask[:, None] & bmask[None, :], other=0.0)[:, None, :]
     if QTYPE == 8:
         return acc + dw * dx * dot.to(tl.float32)
-    # dot is 16 (Q4_0) or 8 (Q5_0) times the integer sum; |dot| < 2^20, so the power-of-two scale is exact
-    UNSCALE: tl.constexpr = 0.125 if QTYPE == 6 else 0.0625
+    # dot is 16 (Q4_0), 8 (Q5_0) or 4 (Q6_K) times the integer sum; |dot| < 2^27, so the power-of-two scale is exact
+    UNSCALE: tl.constexpr = 0.25 if QTYPE == 14 else 0.125 if QTYPE == 6 else 0.0625
     return acc + dw * dx * dot.to(tl.float32) * UNSCALE
 
 
@@ -232,18 +334,20 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
-    CODE_WORDS: tl.constexpr = 8 if QTYPE == 8 else 4  # per block
-    QH_WORDS: tl.constexpr = 1 if QTYPE == 6 else 0
+    CODE_WORDS: tl.constexpr = 8 if QTYPE == 8 else 4  # per 32-element block
+    QH_WORDS: tl.constexpr = 2 if QTYPE == 14 else 1 if QTYPE == 6 else 0
     qh_ptr = row_ptr + CODE_WORDS * nb
-    d_ptr = (qh_ptr + QH_WORDS * nb).to(tl.pointer_type(tl.uint16))
+    sc_ptr = (qh_ptr + QH_WORDS * nb).to(tl.pointer_type(tl.int16))  # Q6_K: 2 int8 scales per 32 elements
+    SC_WORDS: tl.constexpr = 1 if QTYPE == 14 else 0  # per 2 blocks
+    d_ptr = (qh_ptr + QH_WORDS * nb + SC_WORDS * (nb // 2)).to(tl.pointer_type(tl.uint16))
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
     mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mmask = mrow < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
     for b0 in range(blk_begin, blk_end, KBS):
-        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, mrow, mmask, QTYPE, KBS,
-                          EMULATE)
+        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, mrow, mmask, QTYPE,
+                          KBS, EMULATE)
     y = tl.sum(acc, axis=2)
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
@@ -259,9 +363,11 @@ def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl
     mask = rmask[:, None] & (kb < nb)[None, :]
     row = w_ptr + rows.to(tl.int64) * stride_wn
     CODE_BYTES: tl.constexpr = 32 if QTYPE == 8 else 16
-    QH_BYTES: tl.constexpr = 4 if QTYPE == 6 else 0
-    d16 = (row + (CODE_BYTES + QH_BYTES) * nb).to(tl.pointer_type(tl.uint16))
-    d = tl.load(d16[:, None] + kb[None, :], mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    QH_BYTES: tl.constexpr = 8 if QTYPE == 14 else 4 if QTYPE == 6 else 0
+    SC_BYTES: tl.constexpr = 2 if QTYPE == 14 else 0
+    d16 = (row + (CODE_BYTES + QH_BYTES + SC_BYTES) * nb).to(tl.pointer_type(tl.uint16))
+    d = tl.load(d16[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=mask,
+                other=0).to(tl.float16, bitcast=True).to(tl.float32)
     i = tl.arange(0, 32)
     m3 = mask[:, :, None]
     if QTYPE == 8:
@@ -275,8 +381,17 @@ def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl
             hb = tl.load(row[:, None, None] + (16 * nb + 4 * kb)[None, :, None] + (i // 8)[None, None, :], mask=m3,
                          other=0).to(tl.int32)
             u = u | (((hb >> (i % 8)[None, None, :]) & 1) << 4)
-        OFFSET: tl.constexpr = 16.0 if QTYPE == 6 else 8.0
-        w = d[:, :, None] * (u.to(tl.float32) - OFFSET)
+        if QTYPE == 14:  # element i = 16 half + 4 (2 p + r) + b: qh byte 4 p + b, bits 4 r + 2 half (``_step_split``)
+            j = i % 16
+            hb = tl.load(row[:, None, None] + (16 * nb + 8 * kb)[None, :, None]
+                         + (4 * (j // 8) + j % 4)[None, None, :], mask=m3, other=0).to(tl.int32)
+            u = u | (((hb >> (4 * ((j // 4) % 2) + 2 * (i // 16))[None, None, :]) & 3) << 4)
+            sc = tl.load((row + 24 * nb).to(tl.pointer_type(tl.int8))[:, None, None] + (2 * kb)[None, :, None]
+                         + (i // 16)[None, None, :], mask=m3, other=0).to(tl.float32)
+            w = d[:, :, None] * sc * (u.to(tl.float32) - 32.0)
+        else:
+            OFFSET: tl.constexpr = 16.0 if QTYPE == 6 else 8.0
+            w = d[:, :, None] * (u.to(tl.float32) - OFFSET)
     cols = (kb * 32)[:, None] + i[None, :]
     tl.store(out_ptr + (rows.to(tl.int64) * stride_on)[:, None, None] + cols[None, :, :],
              w.to(out_ptr.dtype.element_ty), mask=m3)
@@ -293,8 +408,8 @@ def _check_split(qweight: torch.Tensor, stype: int, K: int, N: int) -> int:
     qtype = base_type(stype)
     if not can_split(qtype, K):
         raise ValueError(f"split rows: {type_name(stype)} rows of K={K} do not exist (need an even number of "
-                         f"32-element blocks)")
-    rb = K // 32 * BLOCK_SIZES[qtype][1]
+                         f"{BLOCK_SIZES[qtype][0]}-element blocks)")
+    rb = K // BLOCK_SIZES[qtype][0] * BLOCK_SIZES[qtype][1]
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.stride(-1) != 1 or qweight.shape[-1] < rb \
             or qweight.shape[0] < N:
         raise ValueError(f"split rows: {type_name(stype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
@@ -339,7 +454,8 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
 #: 19.0, Q8_0 9.7 / 11.1 / 16.9 (bf16 cuBLAS 11.5 / 11.6 / 11.8).
 _SPLIT_TILE = {Q8_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
                Q4_0: ((8, 16, 8, 2), (64, 16, 8, 4), (16, 16, 2, 4)),
-               Q5_0: ((64, 4, 8, 4), (64, 4, 8, 4), (32, 8, 2, 4))}
+               Q5_0: ((64, 4, 8, 4), (64, 4, 8, 4), (32, 8, 2, 4)),
+               Q6_K: ((64, 4, 8, 4), (64, 4, 8, 4), (16, 8, 2, 4))}
 
 
 def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
@@ -356,10 +472,23 @@ def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132) -> Gem
     return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=block_m, q8=True)
 
 
+#: Q6_K rows are split only on request: measured on the H200 (session 17, untuned tiles), split rows took, against
+#: GGUF rows, us, batch 1 / 4 / 16: expert gate/up 11.0 / 14.4 / 25.0 against 10.7 / 15.0 / 28.3, down 10.7 / 14.4 /
+#: 22.7 against 11.0 / 13.8 / 33.7, lm_head/8 95.2 / 97.6 / 191.6 against 69.3 / 88.6 / 261.6, and past 16 rows
+#: (dequantize + cuBLAS) lm_head/8 batch 64 / 256 369.5 / 411.3 against 245.2 / 283.8 on the tensor-core tiles.
+SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
+
+
+def served_split(qtype: int, K: int) -> bool:
+    """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K only with
+    ``$GLM5SERVE_SPLIT_Q6_K=1`` (faster at 16 rows, slower at 1 on large weights and past 16 rows: see above)."""
+    return can_split(qtype, K) and (int(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV) == "1")
+
+
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:
-    """A GGUF weight as glm5serve serves it: (split rows, split type id) where ``can_split``, else (the weight,
+    """A GGUF weight as glm5serve serves it: (split rows, split type id) where ``served_split``, else (the weight,
     ``qtype``) unchanged (``kernels.vllm_ops.split_linear_weights`` does the same in place)."""
-    if can_split(qtype, K):
+    if served_split(qtype, K):
         return split_rows(qweight, qtype, K), split_type(qtype)
     return qweight, int(qtype)
 

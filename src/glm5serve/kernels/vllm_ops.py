@@ -9,7 +9,7 @@ capture the Triton launches.  Call ``install()`` in every vLLM process after the
 ``glm5serve.vllm_plugin.register``; it is idempotent.
 
 With the ops installed, ``split_linear_weights`` (run by glm5serve's model loader after
-``process_weights_after_loading``) regroups every Q4_0/Q5_0/Q8_0 linear weight into split rows
+``process_weights_after_loading``) regroups every Q4_0/Q5_0/Q8_0 linear weight (Q6_K on request) into split rows
 (``kernels.gguf_split``) and gives it its split type id; ``mul_mat`` sends every call of a split type, any batch
 size, to ``gguf_linear`` (the plugin's kernels cannot read split rows).
 """
@@ -86,37 +86,44 @@ def installed() -> bool:
 
 
 def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cuda",)) -> int:
-    """Regroup the Q4_0/Q5_0/Q8_0 weights of every GGUF linear layer (vllm-gguf-plugin's ``GGUFLinearMethod``) on a
-    CUDA device into split rows, in place, and set their type ids (``layer.qweight_type.weight_type`` and the
-    fused shards' ``shard_weight_type``) to the split ids, so the plugin's ``apply`` hands them to ``mul_mat``.
-    Fused shards of mixed types are regrouped shard by shard (rows ``start:end``, the shard's ``size`` bytes).
-    Weights whose rows hold an odd number of blocks (``gguf_split.can_split``) stay GGUF.  Run after
+    """Regroup the weights glm5serve serves as split rows (``gguf_split.served_split``: Q4_0/Q5_0/Q8_0 of an even
+    number of blocks, Q6_K on request) of every GGUF linear layer (vllm-gguf-plugin's ``GGUFLinearMethod``, and an
+    untied ``ParallelLMHead``, whose ``GGUFEmbeddingMethod`` only multiplies) on a CUDA device into split rows, in
+    place, and set their type ids (``layer.qweight_type.weight_type`` and the fused shards' ``shard_weight_type``)
+    to the split ids, so the plugin's ``apply`` hands them to ``mul_mat``.  Fused shards of mixed types are
+    regrouped shard by shard (rows ``start:end``, the shard's ``size`` bytes).  Run after
     ``process_weights_after_loading`` (vLLM's MLA has by then dequantized ``kv_b_proj`` through the GGUF bytes) and
     only with ``install()`` in effect.  ``devices``: the device types whose weights are regrouped (the kernels run on
     CUDA).  Returns the number of layers regrouped (in whole or in some of their shards)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+    from vllm_gguf_plugin.quantization.vocal_embeds import GGUFEmbeddingMethod
 
-    from glm5serve.kernels.gguf_split import can_split, split_rows, split_type
+    from glm5serve.kernels.gguf_split import served_split, split_rows, split_type
 
     done = 0
     for layer in model.modules():
-        if type(getattr(layer, "quant_method", None)) is not GGUFLinearMethod:
+        method = type(getattr(layer, "quant_method", None))
+        # an untied lm_head (its own ParallelLMHead; a tied one is the embedding module) is only read by apply()
+        lm_head = method is GGUFEmbeddingMethod and isinstance(layer, ParallelLMHead)
+        if method is not GGUFLinearMethod and not lm_head:
             continue
         qweight, types = getattr(layer, "qweight", None), getattr(layer, "qweight_type", None)
         # ReplicatedLinear (the indexer's wq_b) has no input_size_per_partition: its input_size is the whole K
-        K = getattr(layer, "input_size_per_partition", None) or getattr(layer, "input_size", None)
+        K = (layer.embedding_dim if lm_head else
+             getattr(layer, "input_size_per_partition", None) or getattr(layer, "input_size", None))
         if qweight is None or types is None or K is None or qweight.dim() != 2 or qweight.device.type not in devices:
             continue
         shard_ids = list(getattr(qweight, "shard_id", None) or [])
         shard_types = {i: types.shard_weight_type.get(i, types.weight_type) for i in shard_ids}
         if len(set(shard_types.values())) > 1:  # mixed types: the plugin's apply slices each shard out
-            ours = [i for i in shard_ids if can_split(shard_types[i], K)]
+            ours = [i for i in shard_ids if served_split(shard_types[i], K)]
             for i in ours:
                 start, end, size = qweight.shard_offset_map[i]
                 qweight.data[start:end, :size] = split_rows(qweight.data[start:end, :size], shard_types[i], K)
                 types.shard_weight_type[i] = split_type(shard_types[i])
             done += bool(ours)
-        elif can_split(types.weight_type if not shard_ids else shard_types[shard_ids[0]], K):
+        elif served_split(types.weight_type if not shard_ids else shard_types[shard_ids[0]], K):
             qtype = types.weight_type if not shard_ids else shard_types[shard_ids[0]]
             qweight.data.copy_(split_rows(qweight.data, qtype, K))
             types.weight_type = split_type(qtype)

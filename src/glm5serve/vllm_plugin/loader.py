@@ -4,7 +4,7 @@ The plugin's ``load_model`` hands the adapter's stream to ``model.load_weights``
 GLM-5 GGUF this loader builds the model the same way, then loads through
 :meth:`~glm5serve.vllm_plugin.weights.GlmDsaWeightsAdapter.load_into`, which checks before
 ``process_weights_after_loading`` that every GGUF tensor and every vLLM parameter was used, and afterwards, with
-glm5serve's kernels installed, regroups Q4_0/Q5_0/Q8_0 linear weights into split rows
+glm5serve's kernels installed, regroups Q4_0/Q5_0/Q8_0 (on request Q6_K) linear weights into split rows
 (:func:`glm5serve.kernels.vllm_ops.split_linear_weights`).
 
 :class:`GLM5SyntheticModelLoader` (``load_format="glm5-synthetic"``) is the same load with random valid tensor
@@ -42,9 +42,9 @@ class GLM5GGUFModelLoader(GGUFModelLoader):
                 model = initialize_model(vllm_config=vllm_config, prefix=prefix)
             adapter.load_into(model, model_config)
             process_weights_after_loading(model, model_config, target_device)
-        if vllm_ops.installed():  # Q4_0/Q5_0/Q8_0 linears to split rows, read by glm5serve's kernels only
+        if vllm_ops.installed():  # Q4_0/Q5_0/Q8_0 (Q6_K) linears to split rows, read by glm5serve's kernels only
             n = vllm_ops.split_linear_weights(model)
-            logger.info("glm5serve: %d Q4_0/Q5_0/Q8_0 linear weights regrouped into split rows", n)
+            logger.info("glm5serve: %d GGUF linear weights regrouped into split rows", n)
         return model
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
