@@ -264,52 +264,47 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr
         xv = _split8(xw, BM, KBS)
         for i in tl.static_range(8):
             dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
-    elif QTYPE == 14:
+    else:  # Q4_0, Q5_0, Q6_K: 4 code words of 8 codes per 32 elements
         t = tl.arange(0, 4)
         q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
                     other=0, eviction_policy="evict_first")
         xlo = _split4(tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0), BM, KBS)
         xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
         qw = _split4(q, BN, KBS)
-        p = tl.arange(0, 2)
-        qh0, qh1 = tl.split(tl.load(qh_ptr[:, None, None] + (kb * 2)[None, :, None] + p[None, None, :],
-                                    mask=bmask[None, :, None], other=0, eviction_policy="evict_first"))
-        dlo = tl.zeros((BM, BN, KBS), dtype=tl.int32)
-        dhi = tl.zeros((BM, BN, KBS), dtype=tl.int32)
-        for i in tl.static_range(4):
-            # slice i is word t = (i % 2) * 2 + i // 2 (``_split4`` order): qh word p = i % 2, r = i // 2
-            if i % 2 == 0:
-                qh = qh0
-            else:
-                qh = qh1
-            lo = (((qw[i] << 2) & 0x3C3C3C3C) | ((qh << (6 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
-            hi = (((qw[i] >> 2) & 0x3C3C3C3C) | ((qh << (4 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
-            dlo = _dp4a_bcast(lo, xlo[i], dlo, EMULATE)
-            dhi = _dp4a_bcast(hi, xhi[i], dhi, EMULATE)
-        sc = tl.load(sc_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0).to(tl.int32)
-        dot = dlo * ((sc << 24) >> 24)[None, :, :] + dhi * (sc >> 8)[None, :, :]
-    else:
-        dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
-        t = tl.arange(0, 4)
-        q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
-                    other=0, eviction_policy="evict_first")
-        xlo = _split4(tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0), BM, KBS)
-        xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
-        qw = _split4(q, BN, KBS)
-        if QTYPE == 6:
-            # inverted fifth bits: the codes become u ^ 16 (see below)
-            qh = ~tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
-        for i in tl.static_range(4):
+        if QTYPE == 14:
+            p = tl.arange(0, 2)
+            qh0, qh1 = tl.split(tl.load(qh_ptr[:, None, None] + (kb * 2)[None, :, None] + p[None, None, :],
+                                        mask=bmask[None, :, None], other=0, eviction_policy="evict_first"))
+            dlo = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+            dhi = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+            for i in tl.static_range(4):
+                # slice i is word t = (i % 2) * 2 + i // 2 (``_split4`` order): qh word p = i % 2, r = i // 2
+                if i % 2 == 0:
+                    qh = qh0
+                else:
+                    qh = qh1
+                lo = (((qw[i] << 2) & 0x3C3C3C3C) | ((qh << (6 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+                hi = (((qw[i] >> 2) & 0x3C3C3C3C) | ((qh << (4 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+                dlo = _dp4a_bcast(lo, xlo[i], dlo, EMULATE)
+                dhi = _dp4a_bcast(hi, xhi[i], dhi, EMULATE)
+            sc = tl.load(sc_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0).to(tl.int32)
+            dot = dlo * ((sc << 24) >> 24)[None, :, :] + dhi * (sc >> 8)[None, :, :]
+        else:
+            dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
             if QTYPE == 6:
-                # slice i is word (i % 2) * 2 + i // 2 (``_split4`` order)
-                lo = ((qw[i] & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2)) << 3
-                hi = (((qw[i] >> 4) & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2 + 4)) << 3
-            else:
-                w = qw[i] ^ _MINUS_8  # every nibble u -> u ^ 8
-                lo = (w << 4) & _TOP_NIBBLES
-                hi = w & _TOP_NIBBLES
-            dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
-            dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
+                # inverted fifth bits: the codes become u ^ 16 (see below)
+                qh = ~tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+            for i in tl.static_range(4):
+                if QTYPE == 6:
+                    # slice i is word (i % 2) * 2 + i // 2 (``_split4`` order)
+                    lo = ((qw[i] & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2)) << 3
+                    hi = (((qw[i] >> 4) & 0x0F0F0F0F) | _fifth_bits(qh, (i % 2) * 2 + i // 2 + 4)) << 3
+                else:
+                    w = qw[i] ^ _MINUS_8  # every nibble u -> u ^ 8
+                    lo = (w << 4) & _TOP_NIBBLES
+                    hi = w & _TOP_NIBBLES
+                dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
+                dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
     dw = tl.load(d_ptr[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=bmask[None, :], other=0)
     dw = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     xo = (mrow * nb)[:, None] + kb[None, :]
