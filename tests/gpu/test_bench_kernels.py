@@ -20,7 +20,9 @@ It writes ``bench_kernels.md`` / ``.json`` into ``$GLM5SERVE_BENCH_OUT`` (and pr
 sweep (``GLM5SERVE_BENCH_SWEEP=1 ... -k sweep``; types from ``GLM5SERVE_BENCH_SWEEP_TYPES``, default Q4_K, batches from
 ``GLM5SERVE_BENCH_SWEEP_BATCHES``, default 1,4,16; the int8-activation path included for its types) times
 a grid of launch configs per shape and batch and writes ``tuned/<device>.json``; copied to
-``src/glm5serve/kernels/tuned/`` it makes ``pick_config`` use the measured best.
+``src/glm5serve/kernels/tuned/`` it makes ``pick_config`` use the measured best.  For the swept types with a split
+layout (Q4_0/Q5_0/Q8_0/Q6_K) it also times split-row tiles and writes ``split_sweep.json`` (the best five against
+``pick_split_config``'s, for ``gguf_split._SPLIT_TILE``).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from gguf import GGMLQuantizationType as Q
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv import PREFETCH_MIN_BYTES, Q8_MAX_M, SPLIT_QTYPES, _device_info, _q8_applies
-from glm5serve.kernels.gguf_split import as_served, pick_split_config
+from glm5serve.kernels.gguf_split import SPLITTABLE, as_served, can_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import random_qweight_torch
 from glm5serve.testing.gpu_timing import copy_bandwidth, graph_us
 
@@ -351,5 +353,54 @@ def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
     sweep_table[f"{int(qtype)},{M},{N},{K}"] = dict(config=dataclasses.asdict(best), us=timings[best],
                                                    heuristic_us=default_us)
     print(f"\n{qtype.name} {shape} M={M}: best {timings[best]:.1f} us {best}; heuristic {default_us:.1f} us")
+    del ws
+    torch.cuda.empty_cache()
+
+
+#: split-row tiles swept: (rows, kbs, programs per SM aimed at, warps), as ``gguf_split._SPLIT_TILE`` holds them
+SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs in (4, 8, 16) for per_sm in (2, 8)
+                     for warps in (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def split_sweep_table():
+    table: dict[str, dict] = {}
+    yield table
+    out = os.environ.get("GLM5SERVE_BENCH_OUT")
+    if table and out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "split_sweep.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                                                    cases=table), indent=1))
+
+
+@pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
+@pytest.mark.parametrize("M", [m for m in SWEEP_BATCHES if m <= 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("qtype", [q for q in SWEEP_TYPES if int(q) in SPLITTABLE], ids=lambda q: q.name)
+def test_sweep_split_tiles(split_sweep_table, qtype, shape, M):
+    N, K, _ = SHAPES[shape]
+    if not can_split(qtype, K):
+        pytest.skip(f"{qtype.name} rows of K={K} have no split layout")
+    sms, _ = _device_info(torch.device(DEV))
+    gen = torch.Generator(DEV).manual_seed(3)
+    stype = split_type(qtype)
+    ws = _copies(lambda: split_rows(random_qweight_torch(qtype, (N, K), DEV, gen), qtype, K), _qbytes(qtype, N, K))
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    prod = pick_split_config(stype, M, N, K, sms)
+    ref = gguf_linear(x, ws[0], stype, N, prod).float()
+    timings = {}
+    for tile in SPLIT_SWEEP_TILES:
+        cfg = pick_split_config(stype, M, N, K, sms, tile)
+        if cfg not in timings:  # tiles that differ only in a split-K aim the row tiles make moot
+            y = gguf_linear(x, ws[0], stype, N, cfg).float()
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-3, cfg  # only the fp32 summation order differs
+            timings[cfg] = (tile, _graph_us([functools.partial(gguf_linear, x, w, stype, N, cfg) for w in ws])[0])
+    prod_us = timings[prod][1] if prod in timings else _graph_us(
+        [functools.partial(gguf_linear, x, w, stype, N, prod) for w in ws])[0]
+    best = sorted(timings.values(), key=lambda v: v[1])[:5]
+    split_sweep_table[f"{qtype.name} {shape} M={M}"] = dict(production_us=prod_us, best=[
+        dict(tile=list(t), split_k=c.split_k, us=u) for c, (t, u) in timings.items() if (t, u) in best])
+    print(f"\n{qtype.name}/split {shape} M={M}: production {prod_us:.1f} us; best "
+          + "; ".join(f"{u:.1f} us {t}" for t, u in best))
     del ws
     torch.cuda.empty_cache()

@@ -131,6 +131,13 @@ def test_bad_input_is_refused_in_one_line():
 def test_pick_split_config_examples(qtype, M, N, K, expect):
     c = pick_split_config(split_type(qtype), M, N, K, 132)
     assert c.q8 and (c.block_n, c.kbs, c.split_k, c.num_warps, c.block_m) == expect, c
+    # a tile given explicitly (the GPU sweep's) takes the same split-K and block_m rules
+    bn, kbs, _, warps, _ = expect
+    for per_sm in (2, 8):
+        t = pick_split_config(split_type(qtype), M, N, K, 132, (bn, kbs, per_sm, warps))
+        assert (t.block_n, t.kbs, t.num_warps, t.block_m) == expect[:2] + expect[3:] and t.q8
+    assert pick_split_config(split_type(qtype), M, N, K, 132, (bn, kbs, 8, warps)).split_k >= \
+        pick_split_config(split_type(qtype), M, N, K, 132, (bn, kbs, 2, warps)).split_k
 
 
 class _Types:

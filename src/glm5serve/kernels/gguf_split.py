@@ -453,11 +453,12 @@ _SPLIT_TILE = {Q8_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
                Q6_K: ((64, 4, 8, 4), (64, 4, 8, 4), (16, 8, 2, 4))}
 
 
-def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
-    """Launch parameters of the split-row GEMV (``q8`` set): the tile ``_SPLIT_TILE`` gives for the base type and M,
-    ``block_m`` = the next power of two >= M (at most MAX_BLOCK_M), and split-K up to the tile's programs per SM
-    while the row tiles alone give fewer than 2 per SM."""
-    block_n, kbs, per_sm, num_warps = _SPLIT_TILE[base_type(stype)][0 if M <= 1 else 1 if M <= 4 else 2]
+def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
+                      tile: tuple[int, int, int, int] | None = None) -> GemvConfig:
+    """Launch parameters of the split-row GEMV (``q8`` set): the tile ``_SPLIT_TILE`` gives for the base type and M
+    (or ``tile``: rows, kbs, programs per SM aimed at, warps), ``block_m`` = the next power of two >= M (at most
+    MAX_BLOCK_M), and split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM."""
+    block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][0 if M <= 1 else 1 if M <= 4 else 2]
     nb = K // 32
     kbs = min(kbs, _pow2_at_most(nb))
     block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
