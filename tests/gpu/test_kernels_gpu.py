@@ -338,6 +338,49 @@ def test_l2_prefetch_changes_no_bit(qtype, M):
             assert torch.equal(gguf_linear(x, w, qtype, N, dataclasses.replace(base, prefetch=prefetch)), want)
 
 
+#: (type, batch, split rows) covering every kernel launched with PDL: split rows (Q4_0, Q6_K), the int8-activation
+#: GEMV (Q4_K/Q5_K/Q6_K at these sizes), the FMA decode (Q6_K at one row, Q4_K below Q8_MIN_BYTES_M1) and the tensor
+#: cores (Q4_K at 16 rows)
+PDL_CHAINS = [(Q.Q4_0, 1, True), (Q.Q6_K, 4, True), (Q.Q4_K, 1, False), (Q.Q4_K, 3, False), (Q.Q5_K, 8, False),
+              (Q.Q6_K, 1, False), (Q.Q6_K, 4, False), (Q.Q4_K, 16, False)]
+
+
+@pytest.mark.parametrize("qtype,M,split", PDL_CHAINS, ids=[f"{q.name}-M{m}{'-split' if s else ''}"
+                                                          for q, m, s in PDL_CHAINS])
+def test_pdl_chains_change_no_bit(monkeypatch, qtype, M, split):
+    """Programmatic dependent launch only moves a GEMV's launch and first weight fetches ahead: a chain of GEMVs in
+    which each input was written by the kernel just before (the int8 quantizer, torch's normalisation of the last
+    output) gives bit-identical outputs with ``$GLM5SERVE_PDL`` off, wait and prefetch, eager and replayed from a
+    CUDA graph on fresh inputs.  A GEMV that read x (or reused memory) before its wait would see stale values."""
+    gg = importlib.import_module("glm5serve.kernels.gguf_gemv")
+    N = K = 2048
+    gen = torch.Generator(DEV).manual_seed(int(qtype) * 31 + M)
+    ws = [random_qweight_torch(qtype, (N, K), DEV, gen) for _ in range(4)]
+    t = int(qtype)
+    if split:
+        ws, t = [split_rows(w, qtype, K) for w in ws], split_type(qtype)
+
+    def chain(h):
+        for w in ws:
+            y = gguf_linear(h, w, t, N).float()
+            h = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        return h
+
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    fresh = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(gg, "PDL_MODE", "off")
+    want, want_fresh = chain(x), chain(fresh)
+    for mode, value in (("wait", 1), ("prefetch", 1 + gg.PDL_MAX_STEPS)):
+        monkeypatch.setattr(gg, "PDL_MODE", mode)
+        assert gg.pdl_value(x.device, 100) == value  # PDL is really on: sm_90 and a Triton with launch_pdl
+        assert torch.equal(chain(x), want), mode
+        static_x = x.clone()
+        g, out = capture(lambda: chain(static_x))
+        static_x.copy_(fresh)
+        g.replay()
+        assert torch.equal(out, want_fresh), mode
+
+
 @pytest.mark.parametrize("M", (1, 3, 8))
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda q: q.name)
 def test_q8_dp4a_equals_its_emulation(qtype, M):

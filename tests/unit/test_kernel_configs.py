@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -204,3 +205,27 @@ def test_a_tuned_entry_covers_smaller_batches_but_not_batch_one(tmp_path, monkey
     finally:
         tuned_configs.cache_clear()
         pick_config.cache_clear()
+
+
+def test_pdl_value_follows_the_environment_and_the_device(monkeypatch):
+    """Programmatic dependent launch (``$GLM5SERVE_PDL``): never off CUDA (the interpreter has no PTX and gets no
+    ``launch_pdl`` option), never with ``off``; on an sm_90 device with a Triton that knows ``launch_pdl``, 1 for
+    ``wait`` and 1 + min(steps, PDL_MAX_STEPS) for ``prefetch``; ``wait`` is the default; another value is a clear
+    error."""
+    assert gguf_gemv.PDL_MODE == "wait" or gguf_gemv.PDL_ENV in os.environ
+    cpu = torch.device("cpu")
+    for mode in gguf_gemv.PDL_MODES:
+        monkeypatch.setattr(gguf_gemv, "PDL_MODE", mode)
+        assert gguf_gemv.pdl_value(cpu, 3) == 0
+        assert gguf_gemv.pdl_launch(gguf_gemv.pdl_value(cpu, 3)) == {}
+    monkeypatch.setattr(gguf_gemv, "_pdl_capable", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    most = gguf_gemv.PDL_MAX_STEPS
+    expected = {"off": [0, 0, 0], "wait": [1, 1, 1], "prefetch": [1, 1 + min(2, most), 1 + most]}
+    for mode, want in expected.items():
+        monkeypatch.setattr(gguf_gemv, "PDL_MODE", mode)
+        assert [gguf_gemv.pdl_value(cuda, s) for s in (0, 2, 100)] == want
+    assert gguf_gemv.pdl_launch(3) == {"launch_pdl": True}
+    monkeypatch.setattr(gguf_gemv, "PDL_MODE", "yes")
+    with pytest.raises(ValueError, match="GLM5SERVE_PDL='yes'"):
+        gguf_gemv.pdl_value(cpu, 1)

@@ -343,3 +343,63 @@ def test_split_rows_dequant_kernel_compiles_without_spills():
                                                     stride_on="i32"),
                      dict(QTYPE=qtype, BLOCK_N=16, KBS=8), ("w_ptr", "out_ptr", "stride_wn", "stride_on"))
         assert int(re.search(r"STACK:(\d+)", _sass(k)[1]).group(1)) == 0
+
+
+def _split_kernel(qtype: int, M: int, pdl: int = 0):
+    sp = importlib.import_module("glm5serve.kernels.gguf_split")
+    c = sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132)
+    sig = dict(xw_ptr="*i32", xd_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
+               count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
+    return _compile(sp._gemv_split_kernel, sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs,
+                                                     SPLIT_K=c.split_k, EMULATE=False, PDL=pdl),
+                    ("xw_ptr", "w_ptr", "y_ptr", "stride_wn", "nb"), c.num_warps)
+
+
+def _opcodes(sass: str) -> list[str]:
+    return [re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for i in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
+
+
+def _pdl_kernels(pdl: int):
+    """(name, compiled kernel) of every GEMV launched with programmatic dependent launch, with PDL = ``pdl``."""
+    q8 = importlib.import_module("glm5serve.kernels.gguf_gemv_q8")
+    fma = g.pick_config(g.Q4_K, 1, 2048, 2048, 132)  # below Q8_MIN_BYTES_M1: the one-kernel FMA path
+    G, T = g.tile_shape(g.Q4_K, fma.kbs)
+    out = [("fma Q4_K", _compile(g._gemv_kernel, _gemv_sig(g.Q4_K),
+                                 dict(QTYPE=g.Q4_K, BLOCK_M=1, BLOCK_N=fma.block_n, KBS=fma.kbs, G=G, T=T, USE_DOT=False,
+                                      SPLIT_K=4, PDL=pdl), ("x_ptr", "w_ptr", "y_ptr", "stride_wn"), fma.num_warps))]
+    q8sig = dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", xi_ptr="*i32", w_ptr="*i32", y_ptr="*bf16",
+                 part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
+                 stride_wn="i32", stride_ym="i32")
+    for qtype, M in ((g.Q4_K, 1), (g.Q5_K, 4), (g.Q6_K, 4)):
+        c = g.pick_config(qtype, M, 2048, 6144, 132)
+        out.append((f"q8 {g._NAMES[qtype]} M{M}", _compile(
+            q8._gemv_q8_kernel, q8sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs, SPLIT_K=3,
+                                            PREFETCH=0, EMULATE=False, AHEAD=c.ahead, PDL=pdl),
+            ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), c.num_warps)))
+    out += [(f"split {g._NAMES[q]}", _split_kernel(q, 1, pdl)) for q in sorted(SPLIT_BUDGET)]
+    return out
+
+
+@pytest.mark.parametrize("pdl", (1, 3), ids=("wait", "prefetch"))
+def test_pdl_kernels_read_nothing_before_the_wait(pdl):
+    """A GEMV launched with programmatic dependent launch may run while the kernel before it still writes x (and
+    still reads memory that this GEMV's outputs reuse): before its one ``griddepcontrol.wait`` (SASS ``ACQBULK``) it
+    loads and stores nothing, and with prefetch steps (PDL > 1) it only asks L2 for weight lines (``CCTL.E.PF2``).
+    The activation quantizer lets the GEMV start (``PREEXIT``) before it waits for its own x; PDL = 0 emits
+    neither instruction."""
+    q8 = importlib.import_module("glm5serve.kernels.gguf_gemv_q8")
+    qsig = dict(x_ptr="*bf16", xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*fp32", xi_ptr="*i32", K="i32",
+                stride_xm="i32")
+    quant = _opcodes(_sass(_compile(q8._quantize_x_kernel, qsig, dict(BLOCKS=8, PDL=True), ("x_ptr", "xq_ptr")))[0])
+    assert quant.count("ACQBULK") == 1 and "PREEXIT" in quant[:quant.index("ACQBULK")]
+    assert not any(o.startswith(("LDG", "STG")) for o in quant[:quant.index("ACQBULK")])
+    for name, k in _pdl_kernels(pdl):
+        ops = _opcodes(_sass(k)[0])
+        assert ops.count("ACQBULK") == 1, name
+        before = ops[:ops.index("ACQBULK")]
+        assert not any(o.startswith(("LDG", "STG", "LDS", "STS", "ATOM", "RED")) for o in before), (name, before)
+        prefetches = sum(o.startswith("CCTL.E.PF2") for o in before)
+        assert (prefetches > 0) == (pdl > 1), (name, prefetches)
+    for name, k in _pdl_kernels(0)[:1] + _pdl_kernels(0)[-1:]:
+        ops = _opcodes(_sass(k)[0])
+        assert "ACQBULK" not in ops and "PREEXIT" not in ops, name

@@ -30,6 +30,10 @@ Two later additions: for Q4_K at batches 1-8 and Q5_K/Q6_K at batches 2-8 (``Gem
 (``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K
 step first asks L2 for the blocks one or two steps ahead (``GemvConfig.prefetch``).
 
+On sm_90 the GEMVs are launched with programmatic dependent launch (``PDL_MODE``): a GEMV's launch overlaps the end
+of the kernel before it (the int8 paths' activation quantizer lets it start at once), and it waits in
+``griddepcontrol.wait`` before it reads anything (0.1-1 us per call, ``PDL_MODE``'s measurements).
+
 Triton's software pipelining of the K loop (``tl.range(..., num_stages=2 or 4)``: each step's loads become
 ``cp.async`` copies into shared memory, a few steps ahead) was never faster: more than 3 % slower in 36 of 60 cases,
 within 3 % in the rest (H200, session 15, same run, the production tiles of 15 shapes and types at batches 1 and 4,
@@ -46,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -495,22 +500,56 @@ def _reduce_acc(acc, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_lines(base, on, start, COUNT: tl.constexpr):
+    """Ask L2 for every 128-byte line of elements [start, start + COUNT) past each pointer of ``base`` ([BN]) where
+    ``on`` ([BN] bool) holds: one ``prefetch.global.L2`` per line, not waited for."""
+    EB: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8  # bytes per pointer element: 1, 2 or 4
+    LINE: tl.constexpr = 128 // EB  # pointer elements per 128-byte line
+    NL: tl.constexpr = triton.next_power_of_2((COUNT + LINE - 1) // LINE + 1)
+    # line starts, the last clamped to the span's last element: every line the span touches gets one prefetch
+    off = tl.minimum(start + tl.arange(0, NL) * LINE, start + COUNT - 1)
+    ptrs = base[:, None] + off[None, :]
+    flag = on[:, None].to(tl.int32) + tl.zeros([1, NL], dtype=tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, flag], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_l2(row_ptr, rmask, b0, blk_end, QTYPE: tl.constexpr, KBS: tl.constexpr):
-    """Ask L2 for blocks [b0, b0 + KBS) of each row (one ``prefetch.global.L2`` per 128-byte line, predicated on
-    rmask and b0 < blk_end).  The data is not waited for: the lines are on their way while this step decodes."""
-    EB: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes per pointer element: 1, 2 or 4
+    """Ask L2 for GGUF blocks [b0, b0 + KBS) of each row (predicated on rmask and b0 < blk_end).  The data is not
+    waited for: the lines are on their way while this step decodes."""
+    EB: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8
     BYTES: tl.constexpr = (144 if QTYPE == 12 else 176 if QTYPE == 13 else 210 if QTYPE == 14 else 34 if QTYPE == 8
                            else 18 if QTYPE == 2 else 22)
-    STEP: tl.constexpr = KBS * BYTES // EB  # pointer elements per step (KBS even where a block is not whole units)
-    LINE: tl.constexpr = 128 // EB  # pointer elements per 128-byte line
-    NL: tl.constexpr = triton.next_power_of_2((STEP + LINE - 1) // LINE + 1)
-    start = b0 * BYTES // EB
-    # line starts, the last clamped to the step's last element: every line the step touches gets one prefetch
-    off = tl.minimum(start + tl.arange(0, NL) * LINE, start + STEP - 1)
-    ptrs = row_ptr[:, None] + off[None, :]
-    on = (rmask[:, None] & (b0 < blk_end)).to(tl.int32) + tl.zeros([1, NL], dtype=tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+    # pointer elements per step (KBS even where a block is not whole units)
+    _prefetch_lines(row_ptr, rmask & (b0 < blk_end), b0 * BYTES // EB, KBS * BYTES // EB)
+
+
+@triton.jit
+def _gdc_wait():
+    """Block until the kernel this one was launched behind has finished and its writes are visible (PTX
+    ``griddepcontrol.wait``, sm_90+); returns at once in a kernel launched without PDL.  Triton's
+    ``tl.extra.cuda.gdc_wait``, written out so that it does not depend on where a Triton version keeps it."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gdc_launch_dependents():
+    """Let the kernel launched behind this one with PDL start its programs now (PTX
+    ``griddepcontrol.launch_dependents``); they still wait in ``_gdc_wait`` for this kernel's writes."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_prologue(row_ptr, rmask, blk_begin, blk_end, QTYPE: tl.constexpr, KBS: tl.constexpr, PDL: tl.constexpr):
+    """PDL > 0 (the kernel is launched with programmatic dependent launch, ``pdl_value``): ask L2 for this
+    program's first PDL - 1 steps of GGUF weight blocks, which no kernel writes, then wait for the kernel before
+    (it may have written x, and it may still read memory that this kernel's outputs reuse)."""
+    if PDL > 0:
+        for d in tl.static_range(0, PDL - 1):
+            _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
+        _gdc_wait()
 
 
 @triton.jit
@@ -533,9 +572,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
                  stride_xm, stride_wn, stride_ym,
                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
                  G: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
-                 PREFETCH: tl.constexpr = 0):
+                 PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Grid (N tiles, SPLIT_K, M tiles).  With SPLIT_K > 1, part_ptr is fp32 [SPLIT_K, M tiles * BLOCK_M, N]
-    scratch and count_ptr int32 [M tiles * N tiles] counters that are zero on entry and left zero on exit."""
+    scratch and count_ptr int32 [M tiles * N tiles] counters that are zero on entry and left zero on exit.
+    PDL: ``_pdl_prologue`` (launched with programmatic dependent launch)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -545,6 +585,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_
     m0 = pid_m * BLOCK_M
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    _pdl_prologue(row_ptr, rmask, blk_begin, blk_end, QTYPE, KBS, PDL)
     acc = _zero_acc(BLOCK_M, BLOCK_N, G, T, USE_DOT)
     mi = tl.arange(0, BLOCK_M)
     acc = _rows_dot(acc, row_ptr, rmask, blk_begin, blk_end, nb, x_ptr + m0.to(tl.int64) * stride_xm,
@@ -614,6 +655,56 @@ def _device_info(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return _device_props(device.index if device.index is not None else torch.cuda.current_device())
     return 1, "cpu"  # Triton interpreter: few, large programs interpret fastest
+
+
+#: Programmatic dependent launch (PDL; sm_90+, CUDA C++ Programming Guide, "Programmatic Dependent Launch and
+#: Synchronization"): a GEMV launched with it may start while the kernel before it finishes and waits in
+#: ``_gdc_wait`` before it reads anything; the activation quantizer of the int8 paths lets its GEMV start at once
+#: (``_gdc_launch_dependents``), so the GEMV's launch overlaps the quantizer and the gap between them.
+#: ``$GLM5SERVE_PDL``: ``wait`` (the default), ``prefetch`` (also asks L2 for the first PDL_MAX_STEPS K steps of
+#: weights before the wait) or ``off``.  Kernels after ours are launched as their owners launch them.  H200, session
+#: 18, same run, us, off / wait / prefetch 1 step / prefetch 4 steps, back to back under CUDA graphs: Q4_K expert
+#: gate/up batch 1 7.3 / 6.7 / 7.7 / 8.2, batch 4 10.6 / 9.7 / 10.3 / 10.8, lm_head/8 batch 1 32.9 / 31.9 / 32.1 /
+#: 34.8; Q6_K gate/up batch 1 10.6 / 10.4 / 11.0 / 13.3, batch 4 14.9 / 14.3 / 13.7 / 13.8, down batch 4 14.0 / 13.0 /
+#: 12.8 / 13.0; Q5_0 (split rows) gate/up batch 1 10.3 / 9.4 / 10.5 / 11.9, batch 4 11.3 / 10.4 / 11.3 / 12.8; Q8_0
+#: batch 4 11.0 / 10.3 / 10.9 / 12.2.  With a small torch op before each GEMV (as a norm precedes it in a model), off
+#: / wait: Q4_K gate/up batch 1 8.8 / 8.2, lm_head/8 33.9 / 33.6, q_b/8 batch 1 6.4 / 6.6, Q6_K gate/up batch 1 11.8
+#: / 12.1, batch 4 16.5 / 16.2, Q5_0 batch 1 11.6 / 11.3 (``test_bench_pdl_modes``).
+PDL_ENV = "GLM5SERVE_PDL"
+PDL_MODES = ("off", "wait", "prefetch")
+PDL_MODE = os.environ.get(PDL_ENV, "wait")
+PDL_MAX_STEPS = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    """sm_90 or later, and a Triton whose launcher knows ``launch_pdl`` (a compile option since Triton 3.4)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - Triton without the NVIDIA backend
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_value(device: torch.device, steps: int) -> int:
+    """The ``PDL`` constexpr of a GEMV on ``device`` whose programs take ``steps`` K steps: 0 to launch it without
+    PDL (``$GLM5SERVE_PDL=off``, not CUDA, before sm_90, an older Triton), else 1 + the steps it prefetches into
+    L2 before it waits (none with ``wait``, the default; with ``prefetch``, min(steps, PDL_MAX_STEPS)).
+    Raises ValueError on another ``$GLM5SERVE_PDL``."""
+    if PDL_MODE not in PDL_MODES:
+        raise ValueError(f"${PDL_ENV}={PDL_MODE!r}: expected one of {', '.join(PDL_MODES)}")
+    if PDL_MODE == "off" or device.type != "cuda":
+        return 0
+    if not _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()):
+        return 0
+    return 1 + (min(steps, PDL_MAX_STEPS) if PDL_MODE == "prefetch" else 0)
+
+
+def pdl_launch(pdl: int) -> dict:
+    """Launch keyword arguments for a kernel whose ``PDL`` constexpr is ``pdl`` (none without PDL, so that the
+    Triton interpreter never sees the option)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -939,7 +1030,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         counters = _tile_counters(x.device, grid[0] * grid[2])
     else:
         part = counters = y  # unused
+    pdl = pdl_value(x.device, blocks_per_split // config.kbs)
     _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
                        QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G, T=T,
-                       USE_DOT=use_dot, SPLIT_K=split, PREFETCH=config.prefetch, num_warps=config.num_warps)
+                       USE_DOT=use_dot, SPLIT_K=split, PREFETCH=config.prefetch, PDL=pdl, num_warps=config.num_warps,
+                       **pdl_launch(pdl))
     return y

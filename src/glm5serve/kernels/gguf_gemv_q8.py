@@ -69,11 +69,16 @@ from glm5serve.kernels.gguf_gemv import (
     _as_words,
     _f16_hi,
     _f16_lo,
+    _gdc_launch_dependents,
+    _gdc_wait,
     _kquant_scale_min,
+    _pdl_prologue,
     _pow2_at_least,
     _prefetch_l2,
     _tile_counters,
     _write_tile,
+    pdl_launch,
+    pdl_value,
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
@@ -84,10 +89,14 @@ MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 d
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOCKS: tl.constexpr,
-                       SUMS16: tl.constexpr = False):
+                       SUMS16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
     xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b];
-    SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1]."""
+    SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1].  PDL (launched
+    with programmatic dependent launch): the GEMV behind may start at once; this kernel waits for the one before."""
+    if PDL:
+        _gdc_launch_dependents()
+        _gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     bmask = b < K // 32
@@ -419,11 +428,11 @@ def _step_q8_rows(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, xi_ptr, m
 def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                     stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     KBS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
-                    AHEAD: tl.constexpr = False):
+                    AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
     int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K at BLOCK_M = 1 takes the
     one-row step (faster there: H200 lm_head/8 37.4 against 46.5 us for the rows step at one row).  AHEAD (Q4_K,
-    Q5_K): each step's loads are issued one step ahead, into registers."""
+    Q5_K): each step's loads are issued one step ahead, into registers.  PDL: ``gguf_gemv._pdl_prologue``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -437,6 +446,7 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
         row_ptr = w_ptr + rows.to(tl.int64) * stride_wn
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    _pdl_prologue(row_ptr, rmask, blk_begin, blk_end, QTYPE, KBS, PDL)
     if BLOCK_M == 1 and QTYPE == 12:
         m = pid_m.to(tl.int64)
         y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
@@ -473,11 +483,12 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
 
-def quantize_activations(x: torch.Tensor, sums16: bool = False):
+def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = False):
     """x (M, K) bf16/fp16/fp32, K a multiple of 32 -> (int8 codes (M, K), fp32 scales d (M, K/32), fp32 exact block
     sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp
     ``quantize_q8_1``, round half up).  ``sums16``: a fourth tensor, int32 (M, K/16), the sum of the codes of each
-    16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block)."""
+    16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block).  ``pdl``: launched with programmatic
+    dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in ``_gdc_wait``."""
     M, K = x.shape
     if K % QK8:
         raise ValueError(f"quantize_activations: K={K} is not a multiple of {QK8}")
@@ -487,8 +498,10 @@ def quantize_activations(x: torch.Tensor, sums16: bool = False):
     xi = torch.empty((M, K // 16), dtype=torch.int32, device=x.device) if sums16 else xd
     blocks = 8
     if M and K:
+        pdl = bool(pdl and pdl_value(x.device, 0))
         _quantize_x_kernel[(M, triton.cdiv(K // QK8, blocks))](x, xq, xd, xs, xi, K, x.stride(0), BLOCKS=blocks,
-                                                                 SUMS16=sums16, num_warps=4)
+                                                                 SUMS16=sums16, PDL=pdl, num_warps=4,
+                                                                 **pdl_launch(pdl))
     return (xq, xd, xs, xi) if sums16 else (xq, xd, xs)
 
 
@@ -536,9 +549,10 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     if x.stride(1) != 1:
         x = x.contiguous()
     nb = K // qk
-    xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K)
-    w = _as_words(qweight, qtype, unit=4)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
+    pdl = pdl_value(x.device, blocks_per_split // kbs)
+    xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K, pdl=bool(pdl))
+    w = _as_words(qweight, qtype, unit=4)
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     y = x.new_empty((M, N))
@@ -551,5 +565,6 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, xi[0] if xi else xd, w, y, part, counters, M, N, nb,
                           blocks_per_split, w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m,
                           BLOCK_N=block_n, KBS=kbs, SPLIT_K=split, PREFETCH=prefetch if x.device.type == "cuda" else 0,
-                          EMULATE=emulate, AHEAD=ahead and qtype in (Q4_K, Q5_K), num_warps=num_warps)
+                          EMULATE=emulate, AHEAD=ahead and qtype in (Q4_K, Q5_K), PDL=pdl, num_warps=num_warps,
+                          **pdl_launch(pdl))
     return y

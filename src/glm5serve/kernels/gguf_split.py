@@ -51,10 +51,14 @@ from glm5serve.kernels.gguf_gemv import (
     _NAMES,
     GemvConfig,
     _as_words,
+    _gdc_wait,
     _pow2_at_least,
     _pow2_at_most,
+    _prefetch_lines,
     _tile_counters,
     _write_tile,
+    pdl_launch,
+    pdl_value,
 )
 from glm5serve.kernels.gguf_gemv_q8 import _dp4a, _split8, quantize_activations
 
@@ -317,12 +321,29 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr
 
 
 @triton.jit
+def _prefetch_split_step(row_ptr, qh_ptr, sc_ptr, d_ptr, on, b0, QTYPE: tl.constexpr, KBS: tl.constexpr):
+    """Ask L2 for the code words, qh words, scales and d of blocks [b0, b0 + KBS) of each split row where on
+    ([BLOCK_N] bool) holds (pointers as in ``_step_split``)."""
+    CODE_WORDS: tl.constexpr = 8 if QTYPE == 8 else 4
+    _prefetch_lines(row_ptr, on, b0 * CODE_WORDS, KBS * CODE_WORDS)
+    if QTYPE == 14:
+        _prefetch_lines(qh_ptr, on, b0 * 2, KBS * 2)
+        _prefetch_lines(sc_ptr, on, b0, KBS)
+        _prefetch_lines(d_ptr, on, b0 // 8, KBS // 8 + 1)
+    else:
+        if QTYPE == 6:
+            _prefetch_lines(qh_ptr, on, b0, KBS)
+        _prefetch_lines(d_ptr, on, b0, KBS)
+
+
+@triton.jit
 def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                        stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+                       KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
     int32 words of split rows (stride_wn words apart), nb blocks per row.  Rows past N read row N - 1 (unmasked
-    loads; those outputs are not stored)."""
+    loads; those outputs are not stored).  PDL > 0 (launched with programmatic dependent launch, behind the
+    activation quantizer): the program's first PDL - 1 steps of weights are asked of L2 before it waits for x."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -337,6 +358,11 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     d_ptr = (qh_ptr + QH_WORDS * nb + SC_WORDS * (nb // 2)).to(tl.pointer_type(tl.uint16))
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    if PDL > 0:
+        for d in tl.static_range(0, PDL - 1):
+            b = blk_begin + d * KBS
+            _prefetch_split_step(row_ptr, qh_ptr, sc_ptr, d_ptr, rmask & (b < blk_end), b, QTYPE, KBS)
+        _gdc_wait()
     mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mmask = mrow < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
@@ -527,9 +553,10 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     nb = K // 32
     block_m = min(config.block_m, MAX_BLOCK_M, _pow2_at_least(M))
     kbs = config.kbs
-    xq, xd, _ = quantize_activations(x)
-    w = _as_words(qweight, qtype, unit=4)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), kbs) * kbs
+    pdl = pdl_value(x.device, blocks_per_split // kbs)
+    xq, xd, _ = quantize_activations(x, pdl=bool(pdl))
+    w = _as_words(qweight, qtype, unit=4)
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
     y = x.new_empty((M, N))
@@ -540,5 +567,6 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
         part = counters = y  # unused
     _gemv_split_kernel[grid](xq.view(torch.int32), xd, w, y, part, counters, M, N, nb, blocks_per_split, w.stride(0),
                              y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
-                             SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, num_warps=config.num_warps)
+                             SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, PDL=pdl,
+                             num_warps=config.num_warps, **pdl_launch(pdl))
     return y
