@@ -10,7 +10,10 @@ depend on the values); each case first checks glm5serve's output against dequant
 reads each weight as it serves it: Q4_0/Q5_0/Q8_0 regrouped into split rows (``kernels.gguf_split.as_served``, what
 the model loader does for linear layers; Q6_K stays GGUF unless ``$GLM5SERVE_SPLIT_Q6_K=1``); the plugin and cuBLAS
 columns read the GGUF rows and bf16 weights.  An expert shape here is timed as a linear of that shape: the MoE's 3-D
-expert tensors are never split (``test_bench_moe`` times them).
+expert tensors are never split (``test_bench_moe`` times them).  glm5serve's GEMVs are launched with programmatic
+dependent launch (``gguf_gemv.PDL_MODE``); the ``no PDL`` column times the same calls without it.  Back to back in
+one graph, each call's launch and first weight fetches then overlap the end of the call before; in a model the kernel
+before is another op (a norm, the activation quantizer), so the column shows how much of a row's speed is PDL.
 
 Run on a GPU host (one command, about 5 minutes on an H200)::
 
@@ -26,6 +29,7 @@ layout (Q4_0/Q5_0/Q8_0/Q6_K) it also times split-row tiles and writes ``split_sw
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -40,6 +44,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
+from glm5serve.kernels import gguf_gemv
 from glm5serve.kernels.gguf_gemv import PREFETCH_MIN_BYTES, Q8_MAX_M, SPLIT_QTYPES, _device_info, _q8_applies
 from glm5serve.kernels.gguf_split import SPLITTABLE, as_served, can_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import random_qweight_torch
@@ -70,8 +75,22 @@ MOE_LAYOUTS = {"EP": 2048, "TP8": 256}  # intermediate size per expert on one GP
 MOE_E, MOE_H, MOE_TOPK = 256, 6144, 8
 
 
-def _graph_us(fns, calls: int = CALLS) -> tuple[float, torch.cuda.CUDAGraph]:
-    return graph_us(fns, calls, REPLAYS)
+@contextlib.contextmanager
+def _pdl(mode: str | None = None, steps: int | None = None):
+    """``gguf_gemv.PDL_MODE`` (and PDL_MAX_STEPS) while a graph is captured: launch options are fixed at capture."""
+    old = gguf_gemv.PDL_MODE, gguf_gemv.PDL_MAX_STEPS
+    gguf_gemv.PDL_MODE, gguf_gemv.PDL_MAX_STEPS = mode or old[0], steps or old[1]
+    try:
+        yield
+    finally:
+        gguf_gemv.PDL_MODE, gguf_gemv.PDL_MAX_STEPS = old
+
+
+def _graph_us(fns, calls: int = CALLS, pdl: str | None = None) -> tuple[float, torch.cuda.CUDAGraph]:
+    """``graph_us``; ``pdl``: ``gguf_gemv.PDL_MODE`` while capturing (``off``: glm5serve's kernels launched without
+    programmatic dependent launch, the ``no PDL`` column)."""
+    with _pdl(pdl):
+        return graph_us(fns, calls, REPLAYS)
 
 
 def _copies(make, nbytes: int) -> list:
@@ -155,7 +174,9 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, f"glm5serve GEMV relative error {rel:.3g}"
 
-    ours_us, graph = _graph_us([functools.partial(gguf_linear, x, w, t, N) for w, t in served])
+    ours = [functools.partial(gguf_linear, x, w, t, N) for w, t in served]
+    ours_us, graph = _graph_us(ours)
+    no_pdl_us = _graph_us(ours, pdl="off")[0]
     plugin, backend = _plugin_gemv()
     plugin_us, plugin_err = (None, backend) if plugin is None else _try_time(
         lambda: [functools.partial(plugin, w, x, qtype, N) for w in ws])
@@ -165,7 +186,8 @@ def test_bench_gemv(benchmark, results, copy_bw, qtype, shape, M):
     cublas_us, _ = _graph_us([functools.partial(torch.matmul, x, w.T) for w in wbs])
     sms, _ = _device_info(x.device)
     row = dict(kind="gemv", shape=shape, layout=layout, N=N, K=K, type=qtype.name, batch=M,
-               weight_MB=qbytes / 1e6, ours_us=ours_us, plugin_us=plugin_us, cublas_bf16_us=cublas_us,
+               weight_MB=qbytes / 1e6, ours_us=ours_us, no_pdl_us=no_pdl_us, plugin_us=plugin_us,
+               cublas_bf16_us=cublas_us,
                ours_GBps=qbytes / ours_us / 1e3, copy_fraction=qbytes / (ours_us * 1e-6) / copy_bw,
                x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=cublas_us / ours_us,
                plugin=backend if plugin_err is None else plugin_err, rel_err=rel,
@@ -239,12 +261,13 @@ def _write_report(rows: list[dict], copy_bw: float, echo: bool = True) -> None:
     lines = [f"# GGUF decode kernels on {name}", "",
              f"Copy bandwidth (read + write, 1 GiB, same run): {copy_bw / 1e12:.2f} TB/s. "
              f"Times per call under CUDA graphs, weights rotated over >= {ROTATE_BYTES >> 20} MB.", "",
-             "| shape | layout | N x K | type | batch | weight MB | glm5serve us | plugin us | bf16 cuBLAS us "
-             "| GB/s | % copy BW | x plugin | x cuBLAS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | layout | N x K | type | batch | weight MB | glm5serve us | no PDL us | plugin us "
+             "| bf16 cuBLAS us | GB/s | % copy BW | x plugin | x cuBLAS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['layout']} | {r['N']}x{r['K']} | {r['type']} | {r['batch']} "
-                     f"| {r['weight_MB']:.1f} | {r['ours_us']:.1f} | {_fmt(r['plugin_us'], '.1f')} "
+                     f"| {r['weight_MB']:.1f} | {r['ours_us']:.1f} | {_fmt(r.get('no_pdl_us'), '.1f')} "
+                     f"| {_fmt(r['plugin_us'], '.1f')} "
                      f"| {_fmt(r['cublas_bf16_us'], '.1f')} | {r['ours_GBps']:.0f} | {100 * r['copy_fraction']:.0f} "
                      f"| {_fmt(r['x_plugin'], '.1f')} | {_fmt(r['x_cublas'], '.2f')} |")
     gemv = [r for r in rows if r["kind"] == "gemv"]
@@ -362,15 +385,21 @@ SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs 
                      for warps in (2, 4)]
 
 
-@pytest.fixture(scope="module")
-def split_sweep_table():
-    table: dict[str, dict] = {}
-    yield table
-    out = os.environ.get("GLM5SERVE_BENCH_OUT")
-    if table and out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "split_sweep.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
-                                                                    cases=table), indent=1))
+def _table_to_json(name: str, key: str):
+    """A module fixture: a dict the tests fill, written at the end to ``$GLM5SERVE_BENCH_OUT/name`` as
+    ``{"device": ..., key: the dict}``."""
+    @pytest.fixture(scope="module")
+    def fixture():
+        table: dict[str, dict] = {}
+        yield table
+        out = os.environ.get("GLM5SERVE_BENCH_OUT")
+        if table and out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / name).write_text(json.dumps({"device": torch.cuda.get_device_name(), key: table}, indent=1))
+    return fixture
+
+
+split_sweep_table = _table_to_json("split_sweep.json", "cases")
 
 
 @pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
@@ -403,4 +432,46 @@ def test_sweep_split_tiles(split_sweep_table, qtype, shape, M):
     print(f"\n{qtype.name}/split {shape} M={M}: production {prod_us:.1f} us; best "
           + "; ".join(f"{u:.1f} us {t}" for t, u in best))
     del ws
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opt-in comparison of programmatic dependent launch modes -> pdl_modes.json
+# ---------------------------------------------------------------------------------------------------------------
+
+#: a row of each kernel path at batches 1 and 4 (FMA decode, int8 activations, split rows, tensor cores)
+PDL_ROWS = [(Q.Q4_K, "expert gate/up", 1), (Q.Q4_K, "expert gate/up", 4), (Q.Q4_K, "lm_head/8", 1),
+            (Q.Q4_K, "lm_head/8", 4), (Q.Q4_K, "q_b/8", 1), (Q.Q4_K, "expert gate/up", 16),
+            (Q.Q6_K, "expert gate/up", 1), (Q.Q6_K, "expert gate/up", 4), (Q.Q6_K, "expert down", 4),
+            (Q.Q6_K, "lm_head/8", 4), (Q.Q5_0, "expert gate/up", 1), (Q.Q5_0, "expert gate/up", 4),
+            (Q.Q8_0, "expert gate/up", 4)]
+#: name: (PDL_MODE, PDL_MAX_STEPS, a small torch op before each GEMV, as a norm precedes it in a model)
+PDL_VARIANTS = {"off": ("off", 4, False), "wait": ("wait", 4, False), "prefetch 1": ("prefetch", 1, False),
+                "prefetch 4": ("prefetch", 4, False), "off after op": ("off", 4, True),
+                "wait after op": ("wait", 4, True), "prefetch 4 after op": ("prefetch", 4, True),
+                "off again": ("off", 4, False)}
+
+
+pdl_table = _table_to_json("pdl_modes.json", "us")
+
+
+@pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_PDL") != "1", reason="opt-in: GLM5SERVE_BENCH_PDL=1")
+@pytest.mark.parametrize("qtype,shape,M", PDL_ROWS, ids=[f"{q.name}-{s}-{m}" for q, s, m in PDL_ROWS])
+def test_bench_pdl_modes(pdl_table, qtype, shape, M):
+    """Microseconds per call of one row under each ``PDL_VARIANTS`` entry, same run ("off again" last: drift)."""
+    N, K, _ = SHAPES[shape]
+    gen = torch.Generator(DEV).manual_seed(N + K + int(qtype))
+    ws = _copies(lambda: random_qweight_torch(qtype, (N, K), DEV, gen), _qbytes(qtype, N, K))
+    served = [as_served(w, qtype, K) for w in ws]
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    scratch = torch.zeros(M, 64, device=DEV)
+    times = {}
+    for name, (mode, steps, op) in PDL_VARIANTS.items():
+        fns = [functools.partial(lambda w, t, op: (scratch.add_(1.0) if op else None, gguf_linear(x, w, t, N))[1],
+                                 w, t, op) for w, t in served]
+        with _pdl(mode, steps):
+            times[name] = graph_us(fns, CALLS, REPLAYS)[0]
+    pdl_table[f"{qtype.name} {shape} M={M}"] = times
+    print(f"\n{qtype.name} {shape} M={M}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    del ws, served
     torch.cuda.empty_cache()
