@@ -208,8 +208,8 @@ def test_a_tuned_entry_covers_smaller_batches_but_not_batch_one(tmp_path, monkey
 
 
 def test_pdl_value_follows_the_environment_and_the_device(monkeypatch):
-    """Programmatic dependent launch (``$GLM5SERVE_PDL``): never off CUDA (the interpreter has no PTX and gets no
-    ``launch_pdl`` option), never with ``off``; on an sm_90 device with a Triton that knows ``launch_pdl``, 1 for
+    """Programmatic dependent launch (``$GLM5SERVE_PDL``): never off CUDA nor under the interpreter (no PTX there, and
+    no ``launch_pdl`` option), never with ``off``; on an sm_90 device with a Triton that knows ``launch_pdl``, 1 for
     ``wait`` and 1 + min(steps, PDL_MAX_STEPS) for ``prefetch``; ``wait`` is the default; another value is a clear
     error."""
     assert gguf_gemv.PDL_MODE == "wait" or gguf_gemv.PDL_ENV in os.environ
@@ -218,6 +218,8 @@ def test_pdl_value_follows_the_environment_and_the_device(monkeypatch):
         monkeypatch.setattr(gguf_gemv, "PDL_MODE", mode)
         assert gguf_gemv.pdl_value(cpu, 3) == 0
         assert gguf_gemv.pdl_launch(gguf_gemv.pdl_value(cpu, 3)) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CUDA tensors under the interpreter: no PTX, so no PDL
+    assert gguf_gemv._pdl_capable.__wrapped__(0) is False
     monkeypatch.setattr(gguf_gemv, "_pdl_capable", lambda index: True)
     cuda = torch.device("cuda", 0)
     most = gguf_gemv.PDL_MAX_STEPS

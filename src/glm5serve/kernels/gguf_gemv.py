@@ -672,13 +672,16 @@ def _device_info(device: torch.device) -> tuple[int, str]:
 #: / 12.1, batch 4 16.5 / 16.2, Q5_0 batch 1 11.6 / 11.3 (``test_bench_pdl_modes``).
 PDL_ENV = "GLM5SERVE_PDL"
 PDL_MODES = ("off", "wait", "prefetch")
-PDL_MODE = os.environ.get(PDL_ENV, "wait")
+PDL_MODE = os.environ.get(PDL_ENV, "wait").strip().lower()
 PDL_MAX_STEPS = 1
 
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device_index: int) -> bool:
-    """sm_90 or later, and a Triton whose launcher knows ``launch_pdl`` (a compile option since Triton 3.4)."""
+    """sm_90 or later on CUDA (not ROCm, whose devices torch also calls ``cuda``; not the Triton interpreter, which
+    has no PTX), and a Triton whose launcher knows ``launch_pdl`` (a compile option since Triton 3.4)."""
+    if torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:  # pragma: no cover - Triton without the NVIDIA backend
