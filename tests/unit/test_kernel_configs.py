@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from glm5serve.kernels import GemvConfig, gguf_gemv, pick_config
+from glm5serve.kernels import GemvConfig, gguf_gemv, gguf_linear, pick_config
 from glm5serve.kernels.gguf_gemv import (
     BLOCK_SIZES,
     PREFETCH_MIN_BYTES,
@@ -231,3 +231,45 @@ def test_pdl_value_follows_the_environment_and_the_device(monkeypatch):
     monkeypatch.setattr(gguf_gemv, "PDL_MODE", "yes")
     with pytest.raises(ValueError, match="GLM5SERVE_PDL='yes'"):
         gguf_gemv.pdl_value(cpu, 1)
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records each launch's keyword arguments and runs nothing."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, kwargs))
+
+
+def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
+    """Each GEMV launch site passes ``launch_pdl`` exactly when it compiles the kernel with PDL > 0 (launched with PDL
+    but compiled without ``griddepcontrol.wait``, a GEMV would read x before the kernel writing it finished), and the
+    int8 paths launch their activation quantizer with PDL exactly when they launch their GEMV with it."""
+    from glm5serve.kernels import gguf_gemv_q8, gguf_split
+
+    log: list = []
+    for mod, name in ((gguf_gemv, "_gemv_kernel"), (gguf_gemv_q8, "_quantize_x_kernel"),
+                      (gguf_gemv_q8, "_gemv_q8_kernel"), (gguf_split, "_gemv_split_kernel")):
+        monkeypatch.setattr(mod, name, _Launches(name, log))
+    N, K = 32, 512
+    x = torch.randn(2, K).to(torch.bfloat16)
+    q4k = torch.zeros(N, K // 256 * 144, dtype=torch.uint8)
+    q40 = gguf_split.split_rows(torch.zeros(N, K // 32 * 18, dtype=torch.uint8), gguf_gemv.Q4_0, K)
+    calls = [lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(split_k=2)),  # one kernel (FMA / tensor cores)
+             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(kbs=1, split_k=2, q8=True)),  # quantizer + int8 GEMV
+             lambda: gguf_linear(x, q40, gguf_split.split_type(gguf_gemv.Q4_0), N,
+                                 GemvConfig(block_n=16, kbs=4, split_k=2, q8=True))]  # quantizer + split rows
+    for mode in gguf_gemv.PDL_MODES:
+        def value(device, steps, mode=mode):  # pdl_value on a capable GPU (these tensors are on the CPU)
+            return {"off": 0, "wait": 1, "prefetch": 1 + min(steps, gguf_gemv.PDL_MAX_STEPS)}[mode]
+        for mod in (gguf_gemv, gguf_gemv_q8, gguf_split):
+            monkeypatch.setattr(mod, "pdl_value", value)
+        for call in calls:
+            log.clear()
+            call()
+            assert [n for n, _ in log] in (["_gemv_kernel"], ["_quantize_x_kernel", "_gemv_q8_kernel"],
+                                           ["_quantize_x_kernel", "_gemv_split_kernel"])
+            for name, kw in log:
+                assert bool(kw.get("launch_pdl")) == (int(kw["PDL"]) > 0) == (mode != "off"), (mode, name, kw)
