@@ -364,9 +364,9 @@ def _pdl_kernels(pdl: int):
     q8 = importlib.import_module("glm5serve.kernels.gguf_gemv_q8")
     fma = g.pick_config(g.Q4_K, 1, 2048, 2048, 132)  # below Q8_MIN_BYTES_M1: the one-kernel FMA path
     G, T = g.tile_shape(g.Q4_K, fma.kbs)
-    out = [("fma Q4_K", _compile(g._gemv_kernel, _gemv_sig(g.Q4_K),
-                                 dict(QTYPE=g.Q4_K, BLOCK_M=1, BLOCK_N=fma.block_n, KBS=fma.kbs, G=G, T=T, USE_DOT=False,
-                                      SPLIT_K=4, PDL=pdl), ("x_ptr", "w_ptr", "y_ptr", "stride_wn"), fma.num_warps))]
+    const = dict(QTYPE=g.Q4_K, BLOCK_M=1, BLOCK_N=fma.block_n, KBS=fma.kbs, G=G, T=T, USE_DOT=False, SPLIT_K=4, PDL=pdl)
+    out = [("fma Q4_K", _compile(g._gemv_kernel, _gemv_sig(g.Q4_K), const, ("x_ptr", "w_ptr", "y_ptr", "stride_wn"),
+                                 fma.num_warps))]
     for qtype in (g.Q4_K, g.Q6_K):  # the tensor cores, with the in-loop L2 prefetch of large weights
         dot = g.pick_config(qtype, 16, 19360, 6144, 132)
         G, T = g.tile_shape(qtype, dot.kbs)

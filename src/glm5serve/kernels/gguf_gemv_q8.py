@@ -551,8 +551,9 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     nb = K // qk
     blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
     pdl = pdl_value(x.device, blocks_per_split // kbs)
-    xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K, pdl=bool(pdl))
+    # before the quantizer, so that a copy of a misaligned weight does not sit between it and the GEMV (PDL)
     w = _as_words(qweight, qtype, unit=4)
+    xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K, pdl=bool(pdl))
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     y = x.new_empty((M, N))

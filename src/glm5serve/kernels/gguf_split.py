@@ -555,8 +555,9 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     kbs = config.kbs
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), kbs) * kbs
     pdl = pdl_value(x.device, blocks_per_split // kbs)
-    xq, xd, _ = quantize_activations(x, pdl=bool(pdl))
+    # before the quantizer, so that a copy of a misaligned weight does not sit between it and the GEMV (PDL)
     w = _as_words(qweight, qtype, unit=4)
+    xq, xd, _ = quantize_activations(x, pdl=bool(pdl))
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
     y = x.new_empty((M, N))
