@@ -339,18 +339,24 @@ SWEEP_TYPES = [Q[t] for t in os.environ.get("GLM5SERVE_BENCH_SWEEP_TYPES", "Q4_K
 SWEEP_BATCHES = [int(m) for m in os.environ.get("GLM5SERVE_BENCH_SWEEP_BATCHES", "1,4,16").split(",")]
 
 
-@pytest.fixture(scope="module")
-def sweep_table():
-    table: dict[str, dict] = {}
-    yield table
-    out = os.environ.get("GLM5SERVE_BENCH_OUT")
-    if table and out:
-        _, device = _device_info(torch.device(DEV))
-        path = Path(out) / "tuned" / f"{device}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), configs={
-            k: v["config"] for k, v in table.items()}, timings_us={k: v["us"] for k, v in table.items()},
-            heuristic_us={k: v["heuristic_us"] for k, v in table.items()}), indent=1))
+def _table_to_json(name, payload):
+    """A module fixture: a dict the tests fill, written at the end to ``$GLM5SERVE_BENCH_OUT/name()`` as
+    ``{"device": ..., **payload(the dict)}``."""
+    @pytest.fixture(scope="module")
+    def fixture():
+        table: dict[str, dict] = {}
+        yield table
+        out = os.environ.get("GLM5SERVE_BENCH_OUT")
+        if table and out:
+            path = Path(out) / name()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"device": torch.cuda.get_device_name(), **payload(table)}, indent=1))
+    return fixture
+
+
+sweep_table = _table_to_json(lambda: f"tuned/{_device_info(torch.device(DEV))[1]}.json", lambda table: dict(
+    configs={k: v["config"] for k, v in table.items()}, timings_us={k: v["us"] for k, v in table.items()},
+    heuristic_us={k: v["heuristic_us"] for k, v in table.items()}))
 
 
 @pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
@@ -385,21 +391,7 @@ SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs 
                      for warps in (2, 4)]
 
 
-def _table_to_json(name: str, key: str):
-    """A module fixture: a dict the tests fill, written at the end to ``$GLM5SERVE_BENCH_OUT/name`` as
-    ``{"device": ..., key: the dict}``."""
-    @pytest.fixture(scope="module")
-    def fixture():
-        table: dict[str, dict] = {}
-        yield table
-        out = os.environ.get("GLM5SERVE_BENCH_OUT")
-        if table and out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / name).write_text(json.dumps({"device": torch.cuda.get_device_name(), key: table}, indent=1))
-    return fixture
-
-
-split_sweep_table = _table_to_json("split_sweep.json", "cases")
+split_sweep_table = _table_to_json(lambda: "split_sweep.json", lambda table: {"cases": table})
 
 
 @pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
@@ -452,7 +444,7 @@ PDL_VARIANTS = {"off": ("off", 4, False), "wait": ("wait", 4, False), "prefetch 
                 "off again": ("off", 4, False)}
 
 
-pdl_table = _table_to_json("pdl_modes.json", "us")
+pdl_table = _table_to_json(lambda: "pdl_modes.json", lambda table: {"us": table})
 
 
 @pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_PDL") != "1", reason="opt-in: GLM5SERVE_BENCH_PDL=1")
