@@ -8,7 +8,7 @@ pay; Python and launch overhead are not measured), call i on weight copy i mod n
 bandwidth counts the weight bytes it reads.  Weights are random codes with sane fp16 scales (speed does not
 depend on the values); each case first checks glm5serve's output against dequantize + fp32 matmul.  glm5serve
 reads each weight as it serves it: Q4_0/Q5_0/Q8_0 regrouped into split rows (``kernels.gguf_split.as_served``, what
-the model loader does for linear layers; Q6_K stays GGUF unless ``$GLM5SERVE_SPLIT_Q6_K=1``); the plugin and cuBLAS
+the model loader does for linear layers; Q6_K too, unless ``$GLM5SERVE_SPLIT_Q6_K=0``); the plugin and cuBLAS
 columns read the GGUF rows and bf16 weights.  An expert shape here is timed as a linear of that shape: the MoE's 3-D
 expert tensors are never split (``test_bench_moe`` times them).  glm5serve's GEMVs are launched with programmatic
 dependent launch (``gguf_gemv.PDL_MODE``); the ``no PDL`` column times the same calls without it.  Back to back in
@@ -387,8 +387,8 @@ def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
 
 
 #: split-row tiles swept: (rows, kbs, programs per SM aimed at, warps), as ``gguf_split._SPLIT_TILE`` holds them
-SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs in (4, 8, 16) for per_sm in (2, 8)
-                     for warps in (2, 4)]
+SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs in (4, 8, 16, 32)
+                     for per_sm in (2, 8, 24) for warps in (2, 4)]
 
 
 split_sweep_table = _table_to_json(lambda: "split_sweep.json", lambda table: {"cases": table})

@@ -307,10 +307,11 @@ def test_activation_quantizer_compiles_without_spills():
 
 #: split-row GEMV (``gguf_split``) at its production tile for a 2048 x 6144 weight, SASS instructions per weight in
 #: the K loop, measured (triton 3.8) at M = 1, 2, 4, 8, 16: Q8_0 2.0, 2.6, 3.8, 5.1, 8.3; Q4_0 1.8, 1.7, 2.6, 4.9,
-#: 8.5; Q5_0 2.8, 3.4, 4.6, 6.5, 9.3; Q6_K 2.8, 3.6, 4.8, 9.1, 11.8 (the fp32 decode of GGUF rows it replaces: 8.2-11.4
-#: at one row).  Budgets: +15 %, or the earlier budget where that is tighter.
+#: 8.5; Q5_0 2.8, 3.4, 4.6, 6.5, 9.3 (2.55 at one row from session 19's tile); Q6_K 2.8, 3.6, 4.8, 9.1, 11.8, and
+#: with session 19's tiles 3.05, 3.25, 4.3, 7.05, 11.2 (the fp32 decode of GGUF rows it replaces: 8.2-11.4 at one
+#: row).  Budgets: +15 %, or the earlier budget where that is tighter.
 SPLIT_BUDGET = {g.Q8_0: (2.4, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.1, 2.0, 3.0, 5.6, 9.7),
-                g.Q5_0: (3.0, 3.9, 5.3, 7.5, 10.4), g.Q6_K: (3.2, 4.1, 5.5, 10.5, 13.5)}
+                g.Q5_0: (3.0, 3.9, 5.3, 7.5, 10.4), g.Q6_K: (3.2, 3.7, 4.9, 8.1, 12.9)}
 
 
 @pytest.mark.parametrize("M", (1, 2, 4, 8, 16))

@@ -92,10 +92,10 @@ def test_type_ids_and_layout_conditions(monkeypatch):
     got, t = as_served(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64)
     assert t == split_type(Q.Q8_0) and got.shape == (4, 68)
     q6 = torch.zeros(4, 420, dtype=torch.uint8)
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "0")
+    assert as_served(q6, Q.Q6_K, 512) == (q6, int(Q.Q6_K))  # Q6_K is served as GGUF rows when asked
     monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
-    assert as_served(q6, Q.Q6_K, 512) == (q6, int(Q.Q6_K))  # Q6_K is served as GGUF rows unless asked
-    monkeypatch.setenv(SPLIT_Q6_K_ENV, "1")
-    assert as_served(q6, Q.Q6_K, 512)[1] == split_type(Q.Q6_K)
+    assert as_served(q6, Q.Q6_K, 512)[1] == split_type(Q.Q6_K)  # and as split rows by default
     # split rows are only read by glm5serve: every batch size, K of an even number of blocks
     assert supports(split_type(Q.Q5_0), 4096, 7, 64) and not supports(split_type(Q.Q5_0), 1, 7, 96)
     assert supports(split_type(Q.Q6_K), 3, 7, 1024) and not supports(split_type(Q.Q6_K), 3, 7, 768)
@@ -116,17 +116,20 @@ def test_bad_input_is_refused_in_one_line():
 
 @pytest.mark.parametrize("qtype,M,N,K,expect", [
     # (block_n, kbs, split_k, num_warps, block_m)
-    (Q.Q8_0, 1, 2048, 6144, (8, 16, 4, 2, 1)),     # 256 row tiles: split-K to ~8 programs per SM, no empty split
-    (Q.Q8_0, 1, 6144, 2048, (8, 16, 1, 2, 1)),     # 768 tiles fill the GPU
+    (Q.Q8_0, 1, 2048, 6144, (8, 32, 3, 4, 1)),     # 256 row tiles: split-K to ~8 programs per SM, no empty split
+    (Q.Q8_0, 1, 6144, 2048, (8, 32, 1, 4, 1)),     # 768 tiles fill the GPU
     (Q.Q4_0, 3, 2048, 6144, (64, 16, 12, 4, 4)),   # 32 row tiles: split-K over all 12 K steps
     (Q.Q4_0, 4, 6144, 2048, (64, 16, 4, 4, 4)),
     (Q.Q8_0, 16, 2048, 6144, (16, 16, 3, 4, 16)),  # 2 programs per SM aimed at from 5 rows
     (Q.Q5_0, 4, 512, 6144, (64, 4, 48, 4, 4)),
     (Q.Q5_0, 8, 6144, 2048, (32, 8, 2, 4, 8)),
-    (Q.Q4_0, 1, 7, 64, (8, 2, 1, 2, 1)),           # kbs capped to the row's 2 blocks
-    (Q.Q6_K, 1, 19360, 6144, (64, 4, 1, 4, 1)),    # lm_head/8: 303 row tiles fill the GPU
-    (Q.Q6_K, 4, 6144, 2048, (64, 4, 8, 4, 4)),     # 96 row tiles: split-K aims at 11, 8 leaves no empty split
-    (Q.Q6_K, 16, 2048, 6144, (16, 8, 3, 4, 16)),
+    (Q.Q4_0, 1, 7, 64, (8, 2, 1, 4, 1)),           # kbs capped to the row's 2 blocks
+    (Q.Q6_K, 1, 19360, 6144, (8, 32, 1, 2, 1)),    # lm_head/8: 2420 row tiles, the many-rows tile
+    (Q.Q6_K, 4, 6144, 2048, (8, 32, 1, 2, 4)),     # 768 row tiles fill the GPU
+    (Q.Q6_K, 4, 19360, 6144, (16, 8, 1, 2, 4)),   # 1210 tiles of the many-rows tile: >= 8 per SM
+    (Q.Q6_K, 1, 2048, 6144, (8, 32, 3, 4, 1)),
+    (Q.Q5_0, 1, 2048, 6144, (64, 8, 24, 4, 1)),   # 32 row tiles: split-K over all 24 K steps
+    (Q.Q6_K, 16, 2048, 6144, (64, 4, 8, 4, 16)),
 ])
 def test_pick_split_config_examples(qtype, M, N, K, expect):
     c = pick_split_config(split_type(qtype), M, N, K, 132)
@@ -192,12 +195,12 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards(monkeypatch
     embed = _layer(GGUFEmbeddingMethod, [(6, Q.Q8_0)], K, seed=8, module_cls=VocabParallelEmbedding)  # looked up
     model = torch.nn.ModuleList([plain, fused, mixed, kquant, odd, other, head, embed, q6])
     before = {id(m): m.qweight.detach().clone() for m in model}
-    monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "0")
     assert split_linear_weights(model, devices=("cuda",)) == 0  # CPU weights are not the kernels' (default)
     assert split_weight_count(model) == 0
-    assert split_linear_weights(model, devices=("cpu",)) == 3  # Q6_K only on request
+    assert split_linear_weights(model, devices=("cpu",)) == 3  # Q6_K kept GGUF on request
     assert split_weight_count(model) == 3 and q6.qweight_type.weight_type == Q.Q6_K
-    monkeypatch.setenv(SPLIT_Q6_K_ENV, "1")
+    monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
     assert split_linear_weights(model, devices=("cpu",)) == 2  # the Q6_K lm_head and linear; split ids are left
     assert split_weight_count(model) == 5
 

@@ -374,6 +374,36 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, 
 
 
 @triton.jit
+def _dequant_q6_k_split(row, out_row, d, kb, nb, mask):
+    """Store the weights of groups kb ([KBS]) of Q6_K split rows (uint8 pointers ``row`` [BLOCK_N]) at
+    ``out_row`` [BLOCK_N, 1] + 32 kb + i, from whole words as ``_step_split`` reads them: code word t and qh word
+    t // 2 give, top-aligned in byte b, 4 (u - 32) of element 4t + b (low half) and 16 + 4t + b (high half), so
+    every element costs a shift pair instead of three byte loads; d: [BLOCK_N, KBS] fp32 block scales, mask
+    [BLOCK_N, KBS].  Weight (d * scale) * (u - 32), rounded as gguf-py ``Q6_K`` rounds it."""
+    t = tl.arange(0, 4)
+    m3 = mask[:, :, None]
+    q = tl.load(row.to(tl.pointer_type(tl.int32))[:, None, None] + (4 * kb)[None, :, None] + t[None, None, :],
+                mask=m3, other=0)
+    qh = tl.load(row.to(tl.pointer_type(tl.int32))[:, None, None] + (4 * nb + 2 * kb)[None, :, None]
+                 + (t // 2)[None, None, :], mask=m3, other=0) >> (4 * (t % 2))[None, None, :]
+    lo = (((q << 2) & 0x3C3C3C3C) | ((qh << 6) & _TOP_2BITS)) ^ _SIGN_BITS
+    hi = (((q >> 2) & 0x3C3C3C3C) | ((qh << 4) & _TOP_2BITS)) ^ _SIGN_BITS
+    h = tl.arange(0, 2)
+    b = tl.arange(0, 4)
+    words = tl.join(lo, hi)  # [BN, KBS, 4 (t), 2 (half)]
+    code = (words[:, :, :, :, None] << (24 - 8 * b)[None, None, None, None, :]) >> 24  # 4 (u - 32), [.., 4 (b)]
+    sc = tl.load((row + 24 * nb).to(tl.pointer_type(tl.int8))[:, None, None] + (2 * kb)[None, :, None]
+                 + h[None, None, :], mask=m3, other=0).to(tl.float32)  # [BN, KBS, 2 (half)]
+    # (d * scale) / 4 is exact, so one multiply by the code 4 (u - 32) rounds as (d * scale) * (u - 32) does
+    scale = (d[:, :, None] * sc * 0.25)[:, :, None, :, None]
+    w = scale * code.to(tl.float32)
+    col = (32 * kb)[None, :, None, None, None] + 16 * h[None, None, None, :, None] \
+        + (4 * t)[None, None, :, None, None] + b[None, None, None, None, :]
+    tl.store(out_row[:, :, None, None, None] + col, w.to(out_row.dtype.element_ty),
+             mask=mask[:, :, None, None, None])
+
+
+@triton.jit
 def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                           KBS: tl.constexpr):
     """Grid (N tiles, K steps of KBS blocks): split rows (uint8, stride_wn bytes apart) -> weights in out_ptr's
@@ -389,6 +419,9 @@ def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl
     d16 = (row + (CODE_BYTES + QH_BYTES + SC_BYTES) * nb).to(tl.pointer_type(tl.uint16))
     d = tl.load(d16[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=mask,
                 other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    if QTYPE == 14:
+        _dequant_q6_k_split(row, out_ptr + (rows.to(tl.int64) * stride_on)[:, None], d, kb, nb, mask)
+        return
     i = tl.arange(0, 32)
     m3 = mask[:, :, None]
     if QTYPE == 8:
@@ -402,17 +435,8 @@ def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl
             hb = tl.load(row[:, None, None] + (16 * nb + 4 * kb)[None, :, None] + (i // 8)[None, None, :], mask=m3,
                          other=0).to(tl.int32)
             u = u | (((hb >> (i % 8)[None, None, :]) & 1) << 4)
-        if QTYPE == 14:  # element i = 16 half + 4 (2 p + r) + b: qh byte 4 p + b, bits 4 r + 2 half (``_step_split``)
-            j = i % 16
-            hb = tl.load(row[:, None, None] + (16 * nb + 8 * kb)[None, :, None]
-                         + (4 * (j // 8) + j % 4)[None, None, :], mask=m3, other=0).to(tl.int32)
-            u = u | (((hb >> (4 * ((j // 4) % 2) + 2 * (i // 16))[None, None, :]) & 3) << 4)
-            sc = tl.load((row + 24 * nb).to(tl.pointer_type(tl.int8))[:, None, None] + (2 * kb)[None, :, None]
-                         + (i // 16)[None, None, :], mask=m3, other=0).to(tl.float32)
-            w = d[:, :, None] * sc * (u.to(tl.float32) - 32.0)
-        else:
-            OFFSET: tl.constexpr = 16.0 if QTYPE == 6 else 8.0
-            w = d[:, :, None] * (u.to(tl.float32) - OFFSET)
+        OFFSET: tl.constexpr = 16.0 if QTYPE == 6 else 8.0
+        w = d[:, :, None] * (u.to(tl.float32) - OFFSET)
     cols = (kb * 32)[:, None] + i[None, :]
     tl.store(out_ptr + (rows.to(tl.int64) * stride_on)[:, None, None] + cols[None, :, :],
              w.to(out_ptr.dtype.element_ty), mask=m3)
@@ -451,8 +475,9 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
         return out
     nb = K // 32
     bn, kbs = 16, min(8, _pow2_at_most(nb))
-    if qweight.stride(0) % 2:  # the scales are read as uint16: rows must start 2-byte aligned
-        qweight = qweight.contiguous()
+    unit = 4 if qtype == Q6_K else 2  # rows must start aligned: scales read as uint16, Q6_K codes as int32 words
+    if qweight.stride(0) % unit or qweight.data_ptr() % unit:
+        qweight = torch.empty_like(qweight, memory_format=torch.contiguous_format).copy_(qweight)
     _dequant_split_kernel[(triton.cdiv(N, bn), triton.cdiv(nb, kbs))](
         qweight, out, N, nb, qweight.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=4)
     return out
@@ -473,18 +498,35 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
 #: (within 1 % of the best at 4 rows; 64 rows, kbs 8, 2 warps would take 9.8 / 9.4 against 10.3 / 10.3 at 2 rows but
 #: more than 11.7 at 4).  Benchmark, same session, batch 1 / 4 / 16: Q4_0 gate/up 9.6 / 9.9 / 18.3, Q5_0 10.0 / 11.1 /
 #: 19.0, Q8_0 9.7 / 11.1 / 16.9 (bf16 cuBLAS 11.5 / 11.6 / 11.8).
-_SPLIT_TILE = {Q8_0: ((8, 16, 8, 2), (16, 16, 8, 4), (16, 16, 2, 4)),
-               Q4_0: ((8, 16, 8, 2), (64, 16, 8, 4), (16, 16, 2, 4)),
-               Q5_0: ((64, 4, 8, 4), (64, 4, 8, 4), (32, 8, 2, 4)),
-               Q6_K: ((64, 4, 8, 4), (64, 4, 8, 4), (16, 8, 2, 4))}
+#: Session 19 (H200, same run, 30-96 tiles per case: rows 8-64, kbs 4-32, 2 / 8 / 24 programs per SM aimed at, 2 or
+#: 4 warps): one row took kbs 32 everywhere (a K step's loads are what a program has in flight: at kbs 16 and below
+#: the weight streamed at ~1 TB/s whatever the split-K), us, new tile / the tile before / bf16 cuBLAS: Q4_0 gate/up
+#: 8.0 (best 7.6) / 8.9 / 11.7, down 6.9 / 8.0 / 9.7; Q8_0 gate/up 8.5 / 9.1 / 11.5, down 7.5 / 8.4 / 9.3; Q5_0 (64
+#: rows, kbs 8, 24 per SM) gate/up 8.6 / 9.2 / 11.4, down 8.5 / 8.9 / 9.3; Q6_K gate/up 8.6 / 10.3 (GGUF rows 10.4) /
+#: 11.7, down 7.1 / 10.0 (10.6) / 9.4; at 4 rows 10.3 / 13.5 (14.0) / 11.7 and 8.8 / 13.5 (12.8) / 9.4; at 16 rows
+#: (64 rows, kbs 4, 8-way split-K) gate/up 18.8 / 24.1 (28.2); the two faster tiles there (32 rows, kbs 16: 18.1; 64
+#: rows, kbs 8: 18.2) spill at 16 rows.  Weights of many rows: ``_SPLIT_MANY_ROWS_TILE``.
+_SPLIT_TILE = {Q8_0: ((8, 32, 8, 4), (16, 16, 8, 4), (16, 16, 2, 4)),
+               Q4_0: ((8, 32, 8, 4), (64, 16, 8, 4), (16, 16, 2, 4)),
+               Q5_0: ((64, 8, 24, 4), (64, 4, 8, 4), (32, 8, 2, 4)),
+               Q6_K: ((8, 32, 8, 4), (8, 32, 8, 2), (64, 4, 2, 4))}
+#: (block_n, kbs, num_warps) at 1 and 2..4 rows where cdiv(N, block_n) row tiles alone give >= 8 programs per SM (no
+#: split-K): Q6_K lm_head/8 (19360 x 6144), session 19, same run, us, this tile / ``_SPLIT_TILE``'s / GGUF rows / bf16
+#: cuBLAS: batch 1 39.2 / 44.0 / 68.7 / 65.7, batch 4 58.0 / > 63.9 / 88.0 / 66.1.
+_SPLIT_MANY_ROWS_TILE = {Q6_K: ((8, 32, 2), (16, 8, 2))}
 
 
 def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
                       tile: tuple[int, int, int, int] | None = None) -> GemvConfig:
     """Launch parameters of the split-row GEMV (``q8`` set): the tile ``_SPLIT_TILE`` gives for the base type and M
     (or ``tile``: rows, kbs, programs per SM aimed at, warps), ``block_m`` = the next power of two >= M (at most
-    MAX_BLOCK_M), and split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM."""
-    block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][0 if M <= 1 else 1 if M <= 4 else 2]
+    MAX_BLOCK_M), and split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM;
+    at 1..4 rows ``_SPLIT_MANY_ROWS_TILE``'s tile instead where its row tiles alone give >= 8 programs per SM."""
+    bucket = 0 if M <= 1 else 1 if M <= 4 else 2
+    block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][bucket]
+    many = _SPLIT_MANY_ROWS_TILE.get(base_type(stype)) if tile is None and bucket < 2 else None
+    if many and triton.cdiv(N, many[bucket][0]) >= 8 * sms:
+        block_n, kbs, num_warps = many[bucket]
     nb = K // 32
     kbs = min(kbs, _pow2_at_most(nb))
     block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
@@ -494,17 +536,19 @@ def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
     return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=block_m, q8=True)
 
 
-#: Q6_K rows are split only on request: measured on the H200 (session 17, untuned tiles), split rows took, against
-#: GGUF rows, us, batch 1 / 4 / 16: expert gate/up 11.0 / 14.4 / 25.0 against 10.7 / 15.0 / 28.3, down 10.7 / 14.4 /
-#: 22.7 against 11.0 / 13.8 / 33.7, lm_head/8 95.2 / 97.6 / 191.6 against 69.3 / 88.6 / 261.6, and past 16 rows
-#: (dequantize + cuBLAS) lm_head/8 batch 64 / 256 369.5 / 411.3 against 245.2 / 283.8 on the tensor-core tiles.
+#: Q6_K rows were split only on request until session 19's tiles (``_SPLIT_TILE``); ``$GLM5SERVE_SPLIT_Q6_K=0`` keeps
+#: them GGUF (the fp32 / int8 / tensor-core decoders of ``gguf_gemv``).  Measured on the H200 (session 17, the untuned
+#: tiles of then), split rows took, against GGUF rows, us, batch 1 / 4 / 16: expert gate/up 11.0 / 14.4 / 25.0
+#: against 10.7 / 15.0 / 28.3, lm_head/8 95.2 / 97.6 / 191.6 against 69.3 / 88.6 / 261.6; past 16 rows (dequantize +
+#: cuBLAS) lm_head/8 batch 64 / 256 369.5 / 411.3 against 245.2 / 283.8, with a split dequantizer of byte loads that
+#: ``_dequant_q6_k_split`` replaced (SASS per weight 23 -> 9.8).
 SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 
 
 def served_split(qtype: int, K: int) -> bool:
-    """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K only with
-    ``$GLM5SERVE_SPLIT_Q6_K=1`` (faster at 16 rows, slower at 1 on large weights and past 16 rows: see above)."""
-    return can_split(qtype, K) and (int(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV) == "1")
+    """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K unless
+    ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above)."""
+    return can_split(qtype, K) and (int(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0")
 
 
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:

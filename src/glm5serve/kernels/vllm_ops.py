@@ -9,7 +9,7 @@ capture the Triton launches.  Call ``install()`` in every vLLM process after the
 ``glm5serve.vllm_plugin.register``; it is idempotent.
 
 With the ops installed, ``split_linear_weights`` (run by glm5serve's model loader after
-``process_weights_after_loading``) regroups every Q4_0/Q5_0/Q8_0 linear weight (Q6_K on request) into split rows
+``process_weights_after_loading``) regroups every Q4_0/Q5_0/Q8_0/Q6_K linear weight into split rows
 (``kernels.gguf_split``) and gives it its split type id; ``mul_mat`` sends every call of a split type, any batch
 size, to ``gguf_linear`` (the plugin's kernels cannot read split rows).
 """
@@ -86,9 +86,9 @@ def installed() -> bool:
 
 
 def split_linear_weights(model: torch.nn.Module, devices: tuple[str, ...] = ("cuda",)) -> int:
-    """Regroup the weights glm5serve serves as split rows (``gguf_split.served_split``: Q4_0/Q5_0/Q8_0 of an even
-    number of blocks, Q6_K on request) of every GGUF linear layer (vllm-gguf-plugin's ``GGUFLinearMethod``, and an
-    untied ``ParallelLMHead``, whose ``GGUFEmbeddingMethod`` only multiplies) on a CUDA device into split rows, in
+    """Regroup the weights glm5serve serves as split rows (``gguf_split.served_split``: Q4_0/Q5_0/Q8_0/Q6_K of an
+    even number of blocks; Q6_K unless ``$GLM5SERVE_SPLIT_Q6_K=0``) of every GGUF linear layer (vllm-gguf-plugin's
+    ``GGUFLinearMethod``, and an untied ``ParallelLMHead``, whose ``GGUFEmbeddingMethod`` only multiplies) on a CUDA device into split rows, in
     place, and set their type ids (``layer.qweight_type.weight_type`` and the fused shards' ``shard_weight_type``)
     to the split ids, so the plugin's ``apply`` hands them to ``mul_mat``.  Fused shards of mixed types are
     regrouped shard by shard (rows ``start:end``, the shard's ``size`` bytes).  Run after

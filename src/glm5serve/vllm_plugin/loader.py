@@ -4,7 +4,7 @@ The plugin's ``load_model`` hands the adapter's stream to ``model.load_weights``
 GLM-5 GGUF this loader builds the model the same way, then loads through
 :meth:`~glm5serve.vllm_plugin.weights.GlmDsaWeightsAdapter.load_into`, which checks before
 ``process_weights_after_loading`` that every GGUF tensor and every vLLM parameter was used, and afterwards, with
-glm5serve's kernels installed, regroups Q4_0/Q5_0/Q8_0 (on request Q6_K) linear weights into split rows
+glm5serve's kernels installed, regroups Q4_0/Q5_0/Q8_0/Q6_K linear weights into split rows
 (:func:`glm5serve.kernels.vllm_ops.split_linear_weights`).
 
 :class:`GLM5SyntheticModelLoader` (``load_format="glm5-synthetic"``) is the same load with random valid tensor
