@@ -378,7 +378,7 @@ def _dequant_q6_k_split(row, out_row, d, kb, nb, mask):
     """Store the weights of groups kb ([KBS]) of Q6_K split rows (uint8 pointers ``row`` [BLOCK_N]) at
     ``out_row`` [BLOCK_N, 1] + 32 kb + i, from whole words as ``_step_split`` reads them: code word t and qh word
     t // 2 give, top-aligned in byte b, 4 (u - 32) of element 4t + b (low half) and 16 + 4t + b (high half), so
-    every element costs a shift pair instead of three byte loads; d: [BLOCK_N, KBS] fp32 block scales, mask
+    every element costs a shift pair instead of three byte loads, and the weights of a group leave as 16-byte stores; d: [BLOCK_N, KBS] fp32 block scales, mask
     [BLOCK_N, KBS].  Weight (d * scale) * (u - 32), rounded as gguf-py ``Q6_K`` rounds it."""
     t = tl.arange(0, 4)
     m3 = mask[:, :, None]
@@ -390,17 +390,15 @@ def _dequant_q6_k_split(row, out_row, d, kb, nb, mask):
     hi = (((q >> 2) & 0x3C3C3C3C) | ((qh << 4) & _TOP_2BITS)) ^ _SIGN_BITS
     h = tl.arange(0, 2)
     b = tl.arange(0, 4)
-    words = tl.join(lo, hi)  # [BN, KBS, 4 (t), 2 (half)]
+    words = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [BN, KBS, 2 (half), 4 (t)]
     code = (words[:, :, :, :, None] << (24 - 8 * b)[None, None, None, None, :]) >> 24  # 4 (u - 32), [.., 4 (b)]
     sc = tl.load((row + 24 * nb).to(tl.pointer_type(tl.int8))[:, None, None] + (2 * kb)[None, :, None]
                  + h[None, None, :], mask=m3, other=0).to(tl.float32)  # [BN, KBS, 2 (half)]
     # (d * scale) / 4 is exact, so one multiply by the code 4 (u - 32) rounds as (d * scale) * (u - 32) does
-    scale = (d[:, :, None] * sc * 0.25)[:, :, None, :, None]
-    w = scale * code.to(tl.float32)
-    col = (32 * kb)[None, :, None, None, None] + 16 * h[None, None, None, :, None] \
-        + (4 * t)[None, None, :, None, None] + b[None, None, None, None, :]
-    tl.store(out_row[:, :, None, None, None] + col, w.to(out_row.dtype.element_ty),
-             mask=mask[:, :, None, None, None])
+    scale = (d[:, :, None] * sc * 0.25)[:, :, :, None, None]
+    w = tl.reshape(scale * code.to(tl.float32), (code.shape[0], code.shape[1], 32))  # element 16 half + 4 t + b
+    col = (32 * kb)[None, :, None] + tl.arange(0, 32)[None, None, :]
+    tl.store(out_row[:, :, None] + col, w.to(out_row.dtype.element_ty), mask=m3)
 
 
 @triton.jit
@@ -541,7 +539,12 @@ def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
 #: tiles of then), split rows took, against GGUF rows, us, batch 1 / 4 / 16: expert gate/up 11.0 / 14.4 / 25.0
 #: against 10.7 / 15.0 / 28.3, lm_head/8 95.2 / 97.6 / 191.6 against 69.3 / 88.6 / 261.6; past 16 rows (dequantize +
 #: cuBLAS) lm_head/8 batch 64 / 256 369.5 / 411.3 against 245.2 / 283.8, with a split dequantizer of byte loads that
-#: ``_dequant_q6_k_split`` replaced (SASS per weight 23 -> 9.8).
+#: ``_dequant_q6_k_split`` replaced (SASS per weight 23 -> 8.75, 16-byte stores).  Session 19, same run, lm_head/8:
+#: dequantizing the split rows took 115.8 us (byte loads: 272.5; GGUF rows, ``gguf_gemv._dequant_kernel``: 162.7), and
+#: the whole product at 64 / 256 rows 196.6 / 234.1 us against 245.7 / 287.1 on GGUF rows.  The session's benchmark
+#: (batch 1 / 4 / 16, us, against GGUF rows in session 18 and bf16 cuBLAS): expert gate/up 8.6 / 10.1 / 18.8 against
+#: 10.3 / 14.1 / 27.7 and 11.7, down 7.1 / 8.7 / 23.0 against 10.7 / 12.9 / 33.2 and 9.5, lm_head/8 39.2 / 57.9 /
+#: 227.4 against 68.7 / 87.7 / 259.5 and 66-68.
 SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 
 
