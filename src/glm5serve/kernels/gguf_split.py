@@ -378,8 +378,9 @@ def _dequant_q6_k_split(row, out_row, d, kb, nb, mask):
     """Store the weights of groups kb ([KBS]) of Q6_K split rows (uint8 pointers ``row`` [BLOCK_N]) at
     ``out_row`` [BLOCK_N, 1] + 32 kb + i, from whole words as ``_step_split`` reads them: code word t and qh word
     t // 2 give, top-aligned in byte b, 4 (u - 32) of element 4t + b (low half) and 16 + 4t + b (high half), so
-    every element costs a shift pair instead of three byte loads, and the weights of a group leave as 16-byte stores; d: [BLOCK_N, KBS] fp32 block scales, mask
-    [BLOCK_N, KBS].  Weight (d * scale) * (u - 32), rounded as gguf-py ``Q6_K`` rounds it."""
+    every element costs a shift pair instead of three byte loads, and the weights of a group leave as 16-byte
+    stores; d: [BLOCK_N, KBS] fp32 block scales, mask [BLOCK_N, KBS].  Weight (d * scale) * (u - 32), rounded as
+    gguf-py ``Q6_K`` rounds it."""
     t = tl.arange(0, 4)
     m3 = mask[:, :, None]
     q = tl.load(row.to(tl.pointer_type(tl.int32))[:, None, None] + (4 * kb)[None, :, None] + t[None, None, :],
@@ -473,9 +474,8 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
         return out
     nb = K // 32
     bn, kbs = 16, min(8, _pow2_at_most(nb))
-    unit = 4 if qtype == Q6_K else 2  # rows must start aligned: scales read as uint16, Q6_K codes as int32 words
-    if qweight.stride(0) % unit or qweight.data_ptr() % unit:
-        qweight = torch.empty_like(qweight, memory_format=torch.contiguous_format).copy_(qweight)
+    # rows must start aligned: the scales are read as uint16, Q6_K's codes as int32 words
+    qweight = _as_words(qweight, qtype, unit=4 if qtype == Q6_K else 2).view(torch.uint8)
     _dequant_split_kernel[(triton.cdiv(N, bn), triton.cdiv(nb, kbs))](
         qweight, out, N, nb, qweight.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=4)
     return out
