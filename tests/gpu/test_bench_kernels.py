@@ -320,12 +320,12 @@ def _sweep_grid(qtype, M, N, K, sms):
                                                use_dot=use_dot))
     if M <= Q8_MAX_M and _q8_applies(int(qtype), nb):  # int8 activations (session 14 found 8-row, 2-warp tiles here)
         big = _qbytes(qtype, N, K) >= PREFETCH_MIN_BYTES
-        for block_n in (8, 16, 32, 64):
-            for kbs in (2, 4):
+        for block_n in (4, 8, 16, 32, 64):
+            for kbs in (2, 4, 8):
                 if kbs > nb:
                     continue
                 steps = math.ceil(nb / kbs)
-                for per_sm in (2, 8):
+                for per_sm in (2, 8, 24):
                     split = max(1, min(steps, math.ceil(per_sm * sms / math.ceil(N / block_n))))
                     for warps in (2, 4):
                         for prefetch in ((0, 1) if big else (0,)):
@@ -387,8 +387,8 @@ def test_sweep_gemv_configs(sweep_table, qtype, shape, M):
 
 
 #: split-row tiles swept: (rows, kbs, programs per SM aimed at, warps), as ``gguf_split._SPLIT_TILE`` holds them
-SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (8, 16, 32, 64) for kbs in (4, 8, 16, 32)
-                     for per_sm in (2, 8, 24) for warps in (2, 4)]
+SPLIT_SWEEP_TILES = [(bn, kbs, per_sm, warps) for bn in (4, 8, 16, 32, 64) for kbs in (4, 8, 16, 32, 64, 128)
+                     for per_sm in (2, 8, 24) for warps in (2, 4, 8)]
 
 
 split_sweep_table = _table_to_json(lambda: "split_sweep.json", lambda table: {"cases": table})

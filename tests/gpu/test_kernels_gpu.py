@@ -162,7 +162,7 @@ SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
        N=st.one_of(st.sampled_from(BOUNDARY_N), st.integers(1, 700)),
        M=st.one_of(st.sampled_from((1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 64, 300)), st.integers(1, 16)),
        dtype=st.sampled_from(DTYPES), tile=st.one_of(st.none(), st.tuples(
-           st.sampled_from((8, 16, 32, 64)), st.sampled_from((1, 2, 4, 8, 16, 32)), st.integers(1, 5),
+           st.sampled_from((4, 8, 16, 32, 64)), st.sampled_from((1, 2, 4, 8, 16, 32, 64, 128)), st.integers(1, 5),
            st.sampled_from((2, 4)))), seed=st.integers(0, 2**31))
 def test_split_rows_gemv_matches_gguf_py(qtype, blocks, N, M, dtype, tile, seed):
     """gguf_linear on split rows (``gguf_split``: Q8_0/Q4_0/Q5_0/Q6_K regrouped at load) against gguf-py's dequantizer
@@ -405,7 +405,8 @@ def test_q8_loads_ahead_change_no_bit(qtype, M):
     from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
     x, w, _, _ = _linear_case(qtype, M, 301, 7 * 256, torch.bfloat16, seed=95 + M)
-    for kw in (dict(block_n=16, kbs=4), dict(block_n=8, kbs=2, split_k=3), dict(block_n=16, kbs=1, split_k=2)):
+    for kw in (dict(block_n=16, kbs=4), dict(block_n=8, kbs=2, split_k=3), dict(block_n=16, kbs=1, split_k=2),
+               dict(block_n=4, kbs=8)):  # the last: batch 1's ``_Q8_NARROW_TILE``
         assert torch.equal(gguf_linear_q8(x, w, qtype, 301, ahead=True, **kw), gguf_linear_q8(x, w, qtype, 301, **kw))
 
 

@@ -309,9 +309,10 @@ def test_activation_quantizer_compiles_without_spills():
 #: the K loop, measured (triton 3.8) at M = 1, 2, 4, 8, 16: Q8_0 2.0, 2.6, 3.8, 5.1, 8.3; Q4_0 1.8, 1.7, 2.6, 4.9,
 #: 8.5; Q5_0 2.8, 3.4, 4.6, 6.5, 9.3 (2.55 at one row from session 19's tile); Q6_K 2.8, 3.6, 4.8, 9.1, 11.8, and
 #: with session 19's tiles 3.05, 3.25, 4.3, 7.05, 11.2 (the fp32 decode of GGUF rows it replaces: 8.2-11.4 at one
-#: row).  Budgets: +15 %, or the earlier budget where that is tighter.
-SPLIT_BUDGET = {g.Q8_0: (2.4, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.1, 2.0, 3.0, 5.6, 9.7),
-                g.Q5_0: (3.0, 3.9, 5.3, 7.5, 10.4), g.Q6_K: (3.2, 3.7, 4.9, 8.1, 12.9)}
+#: row).  At one row with session 20's tile (4 rows, kbs 128): Q8_0 1.74, Q4_0 1.46, Q5_0 2.69, Q6_K 2.71.  Budgets:
+#: +15 %, or the earlier budget where that is tighter.
+SPLIT_BUDGET = {g.Q8_0: (2.0, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (1.7, 2.0, 3.0, 5.6, 9.7),
+                g.Q5_0: (3.0, 3.9, 5.3, 7.5, 10.4), g.Q6_K: (3.1, 3.7, 4.9, 8.1, 12.9)}
 
 
 @pytest.mark.parametrize("M", (1, 2, 4, 8, 16))
@@ -342,9 +343,10 @@ def test_split_rows_dequant_kernel_compiles_without_spills():
     time (H200, session 19, lm_head/8: 115.8 us; 360 with the 8-byte stores of weights left in code-word order)."""
     sp = importlib.import_module("glm5serve.kernels.gguf_split")
     for qtype in sorted(SPLIT_BUDGET):
+        bn, kbs, warps = sp._DEQUANT_TILE[qtype]
         k = _compile(sp._dequant_split_kernel, dict(w_ptr="*u8", out_ptr="*bf16", N="i32", nb="i32", stride_wn="i32",
                                                     stride_on="i32"),
-                     dict(QTYPE=qtype, BLOCK_N=16, KBS=8), ("w_ptr", "out_ptr", "stride_wn", "stride_on"))
+                     dict(QTYPE=qtype, BLOCK_N=bn, KBS=kbs), ("w_ptr", "out_ptr", "stride_wn", "stride_on"), warps)
         sass, usage = _sass(k)
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0
         if qtype == g.Q6_K:

@@ -812,6 +812,13 @@ _Q8_TILE = {Q4_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((8, 4, 8,
 #: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  At 5..8
 #: rows Q6_K takes the same tile on every shape (``_Q8_TILE``).
 _Q8_MANY_ROWS_TILE = {Q6_K: (8, 4, 2)}
+#: (block_n, kbs, num_warps), loads one step ahead, of the int8-activation kernel at batch 1 where ``_Q8_TILE``'s row
+#: tiles would need split-K (fewer than 2 programs per SM) and cdiv(N, block_n) of these do not: halving the rows per
+#: program beat splitting K.  H200, session 20, same run, expert gate/up 2048 x 6144 (512 programs against 256 x 5-6
+#: split-K), us, this tile / ``_Q8_TILE``'s / the best of 132 (rows 4-32, kbs 2-8, split-K to 2 / 8 / 24 programs per
+#: SM, 2-8 warps, with and without ``ahead``): Q4_K 5.56 / 6.60 / 5.56, Q5_K 7.74 / 9.10 / 7.74.  Where ``_Q8_TILE``
+#: needs no split-K it stays (expert down 6144 x 2048: Q4_K 5.46 against a best of 5.38, Q5_K 7.84 against 7.45).
+_Q8_NARROW_TILE = {Q4_K: (4, 8, 4), Q5_K: (4, 8, 4)}
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
 #: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
@@ -832,8 +839,9 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
-    (``ahead`` for Q8_AHEAD types at 2..4 rows; Q6_K takes tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at
-    2..4 rows where cdiv(N, 8) row tiles give >= 2 programs per SM).  Neither prefetch nor q8 for ``device_name``
+    (``ahead`` for Q8_AHEAD types at 2..4 rows; at batch 1 ``_Q8_NARROW_TILE`` where it avoids split-K; Q6_K takes
+    tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at 2..4 rows where cdiv(N, 8) row tiles give >= 2 programs
+    per SM).  Neither prefetch nor q8 for ``device_name``
     "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
@@ -850,6 +858,10 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         many = _Q8_MANY_ROWS_TILE.get(qtype) if 1 < M <= 4 else None
         if many and triton.cdiv(N, many[0]) >= 2 * sms:
             block_n, kbs, num_warps = many
+        ahead = qtype in Q8_AHEAD and 1 < M <= 4
+        narrow = _Q8_NARROW_TILE.get(qtype) if M == 1 else None
+        if narrow and triton.cdiv(N, block_n) < 2 * sms <= triton.cdiv(N, narrow[0]):
+            (block_n, kbs, num_warps), ahead = narrow, True
         kbs = min(kbs, _pow2_at_most(nb))
         steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n)
         split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
@@ -858,7 +870,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         # tile then spills)
         prefetch = int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
         return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=_pow2_at_least(M),
-                          prefetch=prefetch, q8=True, ahead=qtype in Q8_AHEAD and 1 < M <= 4)
+                          prefetch=prefetch, q8=True, ahead=ahead)
     use_dot = M > 1 and dtype in (torch.bfloat16, torch.float16)
     block_n, kbs = (_DOT_TILE if use_dot else _FMA_TILE)[qtype]
     kbs = min(kbs, _pow2_at_most(nb))

@@ -461,6 +461,14 @@ def _check_split(qweight: torch.Tensor, stype: int, K: int, N: int) -> int:
     return qtype
 
 
+#: (block_n, kbs, num_warps) of ``_dequant_split_kernel`` per base type.  H200, session 20, same run, us, lm_head/8
+#: 19360 x 6144 / expert gate/up 2048 x 6144 to bf16, this tile / the 16 x 8 tile of before / the best of 14 (rows
+#: 4-32, kbs 4-32, 4 or 8 warps): Q6_K 100.7 / 114.7 / 100.6, 13.1 / 12.7 / 12.5; Q8_0 100.0 / 104.5 /
+#: 100.0, 12.9 / 12.7 / 12.2; Q4_0 86.0 / 89.5 / 85.6, 9.6 / 11.2 / 9.6; Q5_0 (4 rows, 8 warps; it reads a qh byte per
+#: weight, and took 2-4x as long with 16 or 32 rows per program) 135.9 / 306.9 / 135.9, 17.5 / 38.6 / 17.5.
+_DEQUANT_TILE = {Q8_0: (8, 32, 4), Q4_0: (8, 32, 4), Q6_K: (8, 32, 4), Q5_0: (4, 32, 8)}
+
+
 def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | None = None,
                           dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gguf_gemv.dequantize_rows`` for split rows: (N, K) weights in ``dtype`` (bf16, fp16 or fp32), each rounded
@@ -473,11 +481,12 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
     if N == 0:
         return out
     nb = K // 32
-    bn, kbs = 16, min(8, _pow2_at_most(nb))
+    bn, kbs, num_warps = _DEQUANT_TILE[qtype]
+    kbs = min(kbs, _pow2_at_most(nb))
     # rows must start aligned: the scales are read as uint16, Q6_K's codes as int32 words
     qweight = _as_words(qweight, qtype, unit=4 if qtype == Q6_K else 2).view(torch.uint8)
     _dequant_split_kernel[(triton.cdiv(N, bn), triton.cdiv(nb, kbs))](
-        qweight, out, N, nb, qweight.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=4)
+        qweight, out, N, nb, qweight.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=bn, KBS=kbs, num_warps=num_warps)
     return out
 
 
@@ -503,31 +512,46 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
 #: rows, kbs 8, 24 per SM) gate/up 8.6 / 9.2 / 11.4, down 8.5 / 8.9 / 9.3; Q6_K gate/up 8.6 / 10.3 (GGUF rows 10.4) /
 #: 11.7, down 7.1 / 10.0 (10.6) / 9.4; at 4 rows 10.3 / 13.5 (14.0) / 11.7 and 8.8 / 13.5 (12.8) / 9.4; at 16 rows
 #: (64 rows, kbs 4, 8-way split-K) gate/up 18.8 / 24.1 (28.2); the two faster tiles there (32 rows, kbs 16: 18.1; 64
-#: rows, kbs 8: 18.2) spill at 16 rows.  Weights of many rows: ``_SPLIT_MANY_ROWS_TILE``.
+#: rows, kbs 8: 18.2) spill at 16 rows.  At 1..4 rows on weights of many rows: ``_SPLIT_ROW_TILES``.
 _SPLIT_TILE = {Q8_0: ((8, 32, 8, 4), (16, 16, 8, 4), (16, 16, 2, 4)),
                Q4_0: ((8, 32, 8, 4), (64, 16, 8, 4), (16, 16, 2, 4)),
                Q5_0: ((64, 8, 24, 4), (64, 4, 8, 4), (32, 8, 2, 4)),
                Q6_K: ((8, 32, 8, 4), (8, 32, 8, 2), (64, 4, 2, 4))}
-#: (block_n, kbs, num_warps) at 1 and 2..4 rows where cdiv(N, block_n) row tiles alone give >= 8 programs per SM (no
-#: split-K): Q6_K lm_head/8 (19360 x 6144), session 19, same run, us, this tile / ``_SPLIT_TILE``'s / GGUF rows / bf16
-#: cuBLAS: batch 1 39.2 / 44.0 / 68.7 / 65.7, batch 4 58.0 / > 63.9 / 88.0 / 66.1.
-_SPLIT_MANY_ROWS_TILE = {Q6_K: ((8, 32, 2), (16, 8, 2))}
+#: Tiles without split-K at 1 and 2..4 rows: (programs per SM, block_n, kbs, num_warps), the first whose cdiv(N,
+#: block_n) row tiles alone give at least that many programs per SM; kbs 0 takes a row in two K steps (the power of
+#: two >= half its blocks, at most 128).  Else ``_SPLIT_TILE`` and split-K.  H200, session 20, same run, us, this tile /
+#: session 19's (``_SPLIT_TILE``, split-K where its row tiles are few) / the best of 12-47 tiles (rows 4-64, kbs
+#: 16-128, no split-K or split-K to 2 / 8 / 24 programs per SM):
+#: batch 1, expert gate/up 2048 x 6144 (4 rows, kbs 128, 512 programs) Q4_0 6.37 / 8.25 / 6.37, Q5_0 8.58 / 8.58 /
+#: 8.24, Q8_0 7.67 / 8.40 / 7.46, Q6_K 7.63 / 8.66 / 7.63; expert down 6144 x 2048 (kbs 32) Q4_0 6.13 / 6.88 / 6.13,
+#: Q5_0 6.99 / 8.32 / 6.99, Q8_0 6.93 / 7.26 / 6.82, Q6_K (8 rows) 7.02 / 7.02 / 7.02 (4 rows: 9.27);
+#: batch 4, expert down (16 rows, kbs 32) Q4_0 8.21 / 9.14 / 8.21, Q5_0 9.96 / 10.10 / 9.96, Q8_0 8.48 / 10.23 / 8.48
+#: (gate/up keeps ``_SPLIT_TILE``: 128 row tiles).  Q6_K lm_head/8 (19360 x 6144), session 19, same run, us, its
+#: 8-per-SM tile / ``_SPLIT_TILE``'s / GGUF rows / bf16 cuBLAS: batch 1 39.2 / 44.0 / 68.7 / 65.7, batch 4 58.0 / >
+#: 63.9 / 88.0 / 66.1.
+_LEGACY_ROW_TILES = (((2, 4, 0, 4),), ((2, 16, 32, 4),))
+_SPLIT_ROW_TILES = {Q8_0: _LEGACY_ROW_TILES, Q4_0: _LEGACY_ROW_TILES, Q5_0: _LEGACY_ROW_TILES,
+                    Q6_K: (((8, 8, 32, 2), (2, 8, 0, 4), (2, 4, 0, 4)), ((8, 16, 8, 2),))}
 
 
 def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
                       tile: tuple[int, int, int, int] | None = None) -> GemvConfig:
-    """Launch parameters of the split-row GEMV (``q8`` set): the tile ``_SPLIT_TILE`` gives for the base type and M
-    (or ``tile``: rows, kbs, programs per SM aimed at, warps), ``block_m`` = the next power of two >= M (at most
-    MAX_BLOCK_M), and split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM;
-    at 1..4 rows ``_SPLIT_MANY_ROWS_TILE``'s tile instead where its row tiles alone give >= 8 programs per SM."""
+    """Launch parameters of the split-row GEMV (``q8`` set): at 1..4 rows the first of ``_SPLIT_ROW_TILES`` whose
+    row tiles alone give enough programs per SM (no split-K); else the tile ``_SPLIT_TILE`` gives for the base type
+    and M (or ``tile``: rows, kbs, programs per SM aimed at, warps), with split-K up to the tile's programs per SM
+    while the row tiles alone give fewer than 2 per SM.  ``block_m`` = the next power of two >= M (at most
+    MAX_BLOCK_M)."""
     bucket = 0 if M <= 1 else 1 if M <= 4 else 2
-    block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][bucket]
-    many = _SPLIT_MANY_ROWS_TILE.get(base_type(stype)) if tile is None and bucket < 2 else None
-    if many and triton.cdiv(N, many[bucket][0]) >= 8 * sms:
-        block_n, kbs, num_warps = many[bucket]
     nb = K // 32
-    kbs = min(kbs, _pow2_at_most(nb))
     block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
+    for per_sm, block_n, kbs, num_warps in (_SPLIT_ROW_TILES[base_type(stype)][bucket] if tile is None
+                                            and bucket < 2 else ()):
+        if triton.cdiv(N, block_n) >= per_sm * sms:
+            kbs = kbs or min(128, _pow2_at_least(triton.cdiv(nb, 2)))
+            return GemvConfig(block_n=block_n, kbs=min(kbs, _pow2_at_most(nb)), split_k=1, num_warps=num_warps,
+                              block_m=block_m, q8=True)
+    block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][bucket]
+    kbs = min(kbs, _pow2_at_most(nb))
     steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
