@@ -163,19 +163,19 @@ SPLIT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
        M=st.one_of(st.sampled_from((1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 64, 300)), st.integers(1, 16)),
        dtype=st.sampled_from(DTYPES), tile=st.one_of(st.none(), st.tuples(
            st.sampled_from((4, 8, 16, 32, 64)), st.sampled_from((1, 2, 4, 8, 16, 32, 64, 128)), st.integers(1, 5),
-           st.sampled_from((2, 4)))), seed=st.integers(0, 2**31))
+           st.sampled_from((2, 4, 8)), st.booleans())), seed=st.integers(0, 2**31))
 def test_split_rows_gemv_matches_gguf_py(qtype, blocks, N, M, dtype, tile, seed):
     """gguf_linear on split rows (``gguf_split``: Q8_0/Q4_0/Q5_0/Q6_K regrouped at load) against gguf-py's dequantizer
     of the GGUF rows + fp64 matmul: within the int8 activation bound + fp32 sums up to 16 rows (drawn tiles, split-K,
-    block boundaries, odd batches), and the tensor-core budget past them (dequantize + cuBLAS; any M: the plugin
-    cannot read split rows).  Q6_K rows take 512 elements per 16 drawn blocks (at least 512)."""
+    loads one step ahead, block boundaries, odd batches), and the tensor-core budget past them (dequantize + cuBLAS;
+    any M: the plugin cannot read split rows).  Q6_K rows take 512 elements per 16 drawn blocks (at least 512)."""
     K = 32 * blocks if qtype != Q.Q6_K else 512 * max(1, blocks // 16)
     x, w, ref, bound = _linear_case(qtype, M, N, K, dtype, seed)
     cfg = None
     if tile is not None and M <= 16:
-        bn, kbs, split, warps = tile
+        bn, kbs, split, warps, ahead = tile
         cfg = GemvConfig(block_n=bn, kbs=kbs, split_k=split, num_warps=warps,
-                         block_m=min(16, 1 << (M - 1).bit_length()), q8=True)
+                         block_m=min(16, 1 << (M - 1).bit_length()), q8=True, ahead=ahead)
     y = gguf_linear(x, split_rows(w, qtype, K), split_type(qtype), N, cfg)
     assert y.shape == (M, N) and y.dtype == dtype
     what = f"{qtype.name}/split M={M} N={N} K={K} {dtype} {cfg}"
@@ -213,14 +213,16 @@ def test_split_rows_glm5_shapes_production_config(qtype, shape, M):
 @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
 def test_split_rows_dp4a_equals_its_emulation_and_graphs_replay(qtype, M):
     """The split-row GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter tests') give
-    bit-identical outputs on the GPU (production tile, split-K, a partial row tile), and a CUDA-graph replay equals
-    the eager call on fresh inputs."""
+    bit-identical outputs on the GPU (production tile, split-K, a partial row tile), as do loads one step ahead, and
+    a CUDA-graph replay equals the eager call on fresh inputs."""
     N, K = 301, 64 * 32
     x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=120 + M)
     s, stype = split_rows(w, qtype, K), split_type(qtype)
     tiles = GemvConfig(block_n=32, kbs=4, split_k=3, block_m=M if M in (1, 8, 16) else 4, q8=True)
     for cfg in (pick_split_config(stype, M, N, K), tiles):
-        assert torch.equal(gguf_linear_split(x, s, stype, N, cfg), gguf_linear_split(x, s, stype, N, cfg, dp4a=False))
+        y = gguf_linear_split(x, s, stype, N, cfg)
+        assert torch.equal(y, gguf_linear_split(x, s, stype, N, cfg, dp4a=False))
+        assert torch.equal(y, gguf_linear_split(x, s, stype, N, dataclasses.replace(cfg, ahead=not cfg.ahead)))
     static_x = x.clone()
     g, out = capture(lambda: gguf_linear(static_x, s, stype, N))
     fresh = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16).to(DEV)

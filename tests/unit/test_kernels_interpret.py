@@ -450,11 +450,26 @@ else:
         got = dequantize_rows(split[2:15], split_type(qtype), K, dtype=torch.float32)
         assert torch.equal(got.double(), torch.as_tensor(dequant(raw[2:15], qtype)).double())
 
+    @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
+    def test_split_rows_loads_ahead_bit_identical(qtype):
+        """The split-row GEMV with each K step's loads issued one step ahead (``GemvConfig.ahead``) gives the same
+        bits as without: 3 activation rows, 13 rows (a partial row tile), 2-3 K steps per program, with a partial
+        last step, with and without split-K."""
+        from glm5serve.kernels.gguf_split import split_rows, split_type
+
+        K = 256 * 6 if qtype == Q.Q6_K else 32 * 14  # 48 / 14 blocks of 32
+        x, w, _, _ = _case(qtype, 3, 13, K, 300 + int(qtype), dtype=torch.bfloat16)
+        split = split_rows(w, qtype, K)
+        for kbs, split_k in ((32, 1), (8, 2)) if qtype == Q.Q6_K else ((8, 1), (4, 2)):
+            runs = [gguf_linear(x, split, split_type(qtype), 13, GemvConfig(
+                block_n=8, kbs=kbs, split_k=split_k, block_m=4, q8=True, ahead=a)) for a in (False, True)]
+            assert runs[0].abs().sum() > 0 and torch.equal(runs[0], runs[1]), (kbs, split_k)
+
     @settings(max_examples=12, deadline=None)
     @given(qtype=st.sampled_from(SPLIT_TYPES), M=st.integers(1, 20), N=st.integers(1, 33),
            blocks=st.sampled_from((2, 4, 6)), block_n=st.sampled_from((4, 8, 16)), kbs=st.sampled_from((1, 2, 4)),
-           split_k=st.integers(1, 3), default=st.booleans(), seed=st.integers(0, 2**16))
-    def test_split_rows_gemv_within_the_int8_bound(qtype, M, N, blocks, block_n, kbs, split_k, default, seed):
+           split_k=st.integers(1, 3), default=st.booleans(), ahead=st.booleans(), seed=st.integers(0, 2**16))
+    def test_split_rows_gemv_within_the_int8_bound(qtype, M, N, blocks, block_n, kbs, split_k, default, ahead, seed):
         """gguf_linear on split rows (int8 activations, dp4a emulated) against gguf-py + fp64 on the GGUF rows:
         within the int8-rounding bound of the activations (``q8_activation_bound``: for Q4_0/Q5_0 only d * u meets
         rounded activations) plus output rounding and fp32 sums, for drawn shapes, tiles and split-K; default
@@ -466,7 +481,8 @@ else:
         K = 256 * blocks if qtype == Q.Q6_K else 32 * blocks
         x, w, ref, bound = _case(qtype, M, N, K, seed, dtype=torch.bfloat16)
         block_m = min(16, 1 << (M - 1).bit_length())
-        cfg = None if default else GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, block_m=block_m, q8=True)
+        cfg = None if default else GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, block_m=block_m, q8=True,
+                                              ahead=ahead)
         y = gguf_linear(x, split_rows(w, qtype, K), split_type(qtype), N, cfg)
         assert y.shape == (M, N) and y.dtype == torch.bfloat16
         err = (y.double() - ref).abs()

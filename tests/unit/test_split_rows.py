@@ -116,9 +116,9 @@ def test_bad_input_is_refused_in_one_line():
 
 @pytest.mark.parametrize("qtype,M,N,K,expect", [
     # (block_n, kbs, split_k, num_warps, block_m)
-    (Q.Q8_0, 1, 2048, 6144, (4, 128, 1, 4, 1)),    # 512 row tiles of 4 rows: no split-K, a row in 2 K steps
+    (Q.Q8_0, 1, 2048, 6144, (4, 64, 1, 4, 1)),     # 512 row tiles of 4 rows: no split-K, steps of 64 blocks
     (Q.Q8_0, 1, 6144, 2048, (4, 32, 1, 4, 1)),     # 64 blocks per row: 2 steps of 32
-    (Q.Q4_0, 1, 2048, 16384, (4, 128, 1, 4, 1)),   # 512 blocks per row: steps of at most 128
+    (Q.Q4_0, 1, 2048, 16384, (4, 64, 1, 4, 1)),    # 512 blocks per row: steps of at most 64
     (Q.Q4_0, 3, 2048, 6144, (64, 16, 12, 4, 4)),   # 128 row tiles of 16 rows: 32 of 64 rows, split-K over 12 steps
     (Q.Q4_0, 4, 6144, 2048, (16, 32, 1, 4, 4)),    # 384 row tiles of 16 rows
     (Q.Q8_0, 16, 2048, 6144, (16, 16, 3, 4, 16)),  # 2 programs per SM aimed at from 5 rows
@@ -127,15 +127,18 @@ def test_bad_input_is_refused_in_one_line():
     (Q.Q4_0, 1, 7, 64, (8, 2, 1, 4, 1)),           # kbs capped to the row's 2 blocks
     (Q.Q6_K, 1, 19360, 6144, (8, 32, 1, 2, 1)),    # lm_head/8: 2420 row tiles, >= 8 per SM
     (Q.Q6_K, 1, 6144, 2048, (8, 32, 1, 4, 1)),     # 768 row tiles of 8 rows
-    (Q.Q6_K, 1, 2048, 6144, (4, 128, 1, 4, 1)),    # 256 of 8 rows are too few, 512 of 4 are not
+    (Q.Q6_K, 1, 2048, 6144, (4, 64, 1, 4, 1)),     # 256 of 8 rows are too few, 512 of 4 are not
     (Q.Q6_K, 4, 6144, 2048, (8, 32, 1, 2, 4)),     # 768 row tiles fill the GPU
-    (Q.Q6_K, 4, 19360, 6144, (16, 8, 1, 2, 4)),    # 1210 row tiles of 16 rows: >= 8 per SM
+    (Q.Q6_K, 4, 19360, 6144, (8, 32, 1, 2, 4)),    # 2420 row tiles of 8 rows: >= 8 per SM
     (Q.Q5_0, 1, 512, 6144, (64, 8, 24, 4, 1)),     # 8 row tiles: split-K over all 24 K steps
     (Q.Q6_K, 16, 2048, 6144, (64, 4, 8, 4, 16)),
 ])
 def test_pick_split_config_examples(qtype, M, N, K, expect):
     c = pick_split_config(split_type(qtype), M, N, K, 132)
     assert c.q8 and (c.block_n, c.kbs, c.split_k, c.num_warps, c.block_m) == expect, c
+    # loads one step ahead on the row tiles of 4 (and legacy types' 16) rows at 1..4 activation rows (measured
+    # slower with split-K and on Q6_K's 8-row tiles)
+    assert c.ahead == (M <= 4 and c.split_k == 1 and (c.block_n == 4 or (c.block_n == 16 and qtype != Q.Q6_K))), c
     # a tile given explicitly (the GPU sweep's) takes the same split-K and block_m rules
     bn, kbs, _, warps, _ = expect
     for per_sm in (2, 8):

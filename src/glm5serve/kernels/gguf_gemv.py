@@ -87,8 +87,8 @@ class GemvConfig:
     ``prefetch``: steps of L2 prefetch ahead of the decode (0: none; CUDA only, not under the interpreter).
     ``q8`` (Q8_TYPES, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
     MMVQ (``gguf_gemv_q8``), with min(``block_m``, 8, the next power of two >= M) activation rows per program;
-    ``use_dot`` unused.  ``ahead`` (with ``q8``, Q4_K and Q5_K): each K step's loads are issued one step ahead,
-    into registers."""
+    ``use_dot`` unused.  ``ahead`` (with ``q8``, Q4_K and Q5_K, and split rows): each K step's loads are issued one
+    step ahead, into registers."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1

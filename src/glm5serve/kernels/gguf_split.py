@@ -252,52 +252,94 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr
     halves of a group have an int8 scale (elements 0-15 and 16-31: the block's scales 2g' and 2g' + 1); the
     block's fp16 d covers 8 groups.  u - 32 is the 6-bit two's complement number u ^ 32, so the top-aligned byte
     ((low << 2) | (top << 6)) ^ 0x80 is 4 (u - 32).  Weight d * scale * (u - 32) (gguf-py ``Q6_K``)."""
-    BM: tl.constexpr = mrow.shape[0]
-    BN: tl.constexpr = row_ptr.shape[0]
+    q, xa, xb, qh, sc = _load_codes(row_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, mrow, mmask, QTYPE, KBS)
+    dot = _dot_split(q, xa, xb, qh, sc, mrow.shape[0], QTYPE, EMULATE)
+    # the scales are loaded after the integer products, as their program order keeps registers free (loaded with
+    # the codes, Q5_0 at 16 rows spills)
+    dw, dx = _load_scales(d_ptr, xd_ptr, b0, end, nb, mrow, mmask, QTYPE, KBS)
+    return _scale_split(acc, dot, dw, dx, QTYPE)
+
+
+@triton.jit
+def _load_codes(row_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, mrow, mmask, QTYPE: tl.constexpr, KBS: tl.constexpr):
+    """The integer loads of ``_step_split``: code words q ([BN, KBS, 8] Q8_0, else [BN, KBS, 4]), activation words
+    xa / xb ([BM, KBS, 8] both Q8_0's; else those of the low / high half of each block, [BM, KBS, 4]), qh words ([BN,
+    KBS, 2] Q6_K, [BN, KBS] Q5_0, else q) and Q6_K's int16 scale pairs sc ([BN, KBS], else q)."""
     kb = b0 + tl.arange(0, KBS)
     bmask = kb < end
     xmask = mmask[:, None, None] & bmask[None, :, None]
     xrow = (mrow * nb * 8)[:, None, None] + (kb * 8)[None, :, None]  # activation words of each block
     if QTYPE == 8:
-        dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
         t = tl.arange(0, 8)
         q = tl.load(row_ptr[:, None, None] + (kb * 8)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
                     other=0, eviction_policy="evict_first")
-        xw = tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0)
-        qw = _split8(q, BN, KBS)
-        xv = _split8(xw, BM, KBS)
-        for i in tl.static_range(8):
-            dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
+        xa = tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0)
+        xb = xa
     else:  # Q4_0, Q5_0, Q6_K: 4 code words of 8 codes per 32 elements
         t = tl.arange(0, 4)
         q = tl.load(row_ptr[:, None, None] + (kb * 4)[None, :, None] + t[None, None, :], mask=bmask[None, :, None],
                     other=0, eviction_policy="evict_first")
-        xlo = _split4(tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0), BM, KBS)
-        xhi = _split4(tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0), BM, KBS)
+        xa = tl.load(xw_ptr + xrow + t[None, None, :], mask=xmask, other=0)
+        xb = tl.load(xw_ptr + xrow + 4 + t[None, None, :], mask=xmask, other=0)
+    qh = q
+    sc = q
+    if QTYPE == 14:
+        p = tl.arange(0, 2)
+        qh = tl.load(qh_ptr[:, None, None] + (kb * 2)[None, :, None] + p[None, None, :], mask=bmask[None, :, None],
+                     other=0, eviction_policy="evict_first")
+        sc = tl.load(sc_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    elif QTYPE == 6:
+        qh = tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    return q, xa, xb, qh, sc
+
+
+@triton.jit
+def _load_scales(d_ptr, xd_ptr, b0, end, nb, mrow, mmask, QTYPE: tl.constexpr, KBS: tl.constexpr):
+    """The float loads of ``_step_split``: the weights' raw fp16 d (uint16 [BN, KBS]; Q6_K: one per 8 groups) and
+    the activation scales dx ([BM, KBS] fp32)."""
+    kb = b0 + tl.arange(0, KBS)
+    bmask = kb < end
+    dw = tl.load(d_ptr[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=bmask[None, :], other=0)
+    dx = tl.load(xd_ptr + (mrow * nb)[:, None] + kb[None, :], mask=mmask[:, None] & bmask[None, :], other=0.0)
+    return dw, dx
+
+
+@triton.jit
+def _dot_split(q, xa, xb, qh, sc, BM: tl.constexpr, QTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """The integer products of ``_step_split`` on what ``_load_codes`` returns: [BM, BN, KBS] int32, the blocks' dot
+    products (Q4_0 / Q5_0 / Q6_K: 16 / 8 / 4 times them; Q6_K's with its int8 scales applied)."""
+    BN: tl.constexpr = q.shape[0]
+    KBS: tl.constexpr = q.shape[1]
+    if QTYPE == 8:
+        dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
+        qw = _split8(q, BN, KBS)
+        xv = _split8(xa, BM, KBS)
+        for i in tl.static_range(8):
+            dot = _dp4a_bcast(qw[i], xv[i], dot, EMULATE)
+    else:
+        xlo = _split4(xa, BM, KBS)
+        xhi = _split4(xb, BM, KBS)
         qw = _split4(q, BN, KBS)
         if QTYPE == 14:
-            p = tl.arange(0, 2)
-            qh0, qh1 = tl.split(tl.load(qh_ptr[:, None, None] + (kb * 2)[None, :, None] + p[None, None, :],
-                                        mask=bmask[None, :, None], other=0, eviction_policy="evict_first"))
+            qh0, qh1 = tl.split(qh)
             dlo = tl.zeros((BM, BN, KBS), dtype=tl.int32)
             dhi = tl.zeros((BM, BN, KBS), dtype=tl.int32)
             for i in tl.static_range(4):
                 # slice i is word t = (i % 2) * 2 + i // 2 (``_split4`` order): qh word p = i % 2, r = i // 2
                 if i % 2 == 0:
-                    qh = qh0
+                    qhw = qh0
                 else:
-                    qh = qh1
-                lo = (((qw[i] << 2) & 0x3C3C3C3C) | ((qh << (6 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
-                hi = (((qw[i] >> 2) & 0x3C3C3C3C) | ((qh << (4 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+                    qhw = qh1
+                lo = (((qw[i] << 2) & 0x3C3C3C3C) | ((qhw << (6 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
+                hi = (((qw[i] >> 2) & 0x3C3C3C3C) | ((qhw << (4 - 4 * (i // 2))) & _TOP_2BITS)) ^ _SIGN_BITS
                 dlo = _dp4a_bcast(lo, xlo[i], dlo, EMULATE)
                 dhi = _dp4a_bcast(hi, xhi[i], dhi, EMULATE)
-            sc = tl.load(sc_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0).to(tl.int32)
+            sc = sc.to(tl.int32)
             dot = dlo * ((sc << 24) >> 24)[None, :, :] + dhi * (sc >> 8)[None, :, :]
         else:
             dot = tl.zeros((BM, BN, KBS), dtype=tl.int32)
             if QTYPE == 6:
-                # inverted fifth bits: the codes become u ^ 16 (see below)
-                qh = ~tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+                qh = ~qh  # inverted fifth bits: the codes become u ^ 16 (see ``_step_split``)
             for i in tl.static_range(4):
                 if QTYPE == 6:
                     # slice i is word (i % 2) * 2 + i // 2 (``_split4`` order)
@@ -309,15 +351,19 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr
                     hi = w & _TOP_NIBBLES
                 dot = _dp4a_bcast(lo, xlo[i], dot, EMULATE)
                 dot = _dp4a_bcast(hi, xhi[i], dot, EMULATE)
-    dw = tl.load(d_ptr[:, None] + (kb // 8 if QTYPE == 14 else kb)[None, :], mask=bmask[None, :], other=0)
-    dw = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
-    xo = (mrow * nb)[:, None] + kb[None, :]
-    dx = tl.load(xd_ptr + xo, mask=mmask[:, None] & bmask[None, :], other=0.0)[:, None, :]
+    return dot
+
+
+@triton.jit
+def _scale_split(acc, dot, dw, dx, QTYPE: tl.constexpr):
+    """acc + each block's dot product ``_dot_split`` times its weight scale d (raw fp16 ``dw``) and activation
+    scale ``dx`` (``_load_scales``)."""
+    d = dw.to(tl.float16, bitcast=True).to(tl.float32)[None, :, :]
     if QTYPE == 8:
-        return acc + dw * dx * dot.to(tl.float32)
+        return acc + d * dx[:, None, :] * dot.to(tl.float32)
     # dot is 16 (Q4_0), 8 (Q5_0) or 4 (Q6_K) times the integer sum; |dot| < 2^27, so the power-of-two scale is exact
     UNSCALE: tl.constexpr = 0.25 if QTYPE == 14 else 0.125 if QTYPE == 6 else 0.0625
-    return acc + dw * dx * dot.to(tl.float32) * UNSCALE
+    return acc + d * dx[:, None, :] * dot.to(tl.float32) * UNSCALE
 
 
 @triton.jit
@@ -339,11 +385,13 @@ def _prefetch_split_step(row_ptr, qh_ptr, sc_ptr, d_ptr, on, b0, QTYPE: tl.const
 @triton.jit
 def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, nb, blocks_per_split,
                        stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+                       KBS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0,
+                       AHEAD: tl.constexpr = False):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
     int32 words of split rows (stride_wn words apart), nb blocks per row.  Rows past N read row N - 1 (unmasked
     loads; those outputs are not stored).  PDL > 0 (launched with programmatic dependent launch, behind the
-    activation quantizer): the program's first PDL - 1 steps of weights are asked of L2 before it waits for x."""
+    activation quantizer): the program's first PDL - 1 steps of weights are asked of L2 before it waits for x.
+    AHEAD: each K step's loads are issued one step ahead, into registers (two steps in flight per program)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -366,9 +414,20 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, 
     mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mmask = mrow < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
-    for b0 in range(blk_begin, blk_end, KBS):
-        acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, mrow, mmask, QTYPE,
-                          KBS, EMULATE)
+    if AHEAD:
+        q, xa, xb, qh, sc = _load_codes(row_ptr, qh_ptr, sc_ptr, blk_begin, blk_end, nb, xw_ptr, mrow, mmask, QTYPE,
+                                        KBS)
+        dw, dx = _load_scales(d_ptr, xd_ptr, blk_begin, blk_end, nb, mrow, mmask, QTYPE, KBS)
+        for b0 in range(blk_begin, blk_end, KBS):
+            nq, nxa, nxb, nqh, nsc = _load_codes(row_ptr, qh_ptr, sc_ptr, b0 + KBS, blk_end, nb, xw_ptr, mrow, mmask,
+                                                 QTYPE, KBS)
+            ndw, ndx = _load_scales(d_ptr, xd_ptr, b0 + KBS, blk_end, nb, mrow, mmask, QTYPE, KBS)
+            acc = _scale_split(acc, _dot_split(q, xa, xb, qh, sc, BLOCK_M, QTYPE, EMULATE), dw, dx, QTYPE)
+            q, xa, xb, qh, sc, dw, dx = nq, nxa, nxb, nqh, nsc, ndw, ndx
+    else:
+        for b0 in range(blk_begin, blk_end, KBS):
+            acc = _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, blk_end, nb, xw_ptr, xd_ptr, mrow, mmask,
+                              QTYPE, KBS, EMULATE)
     y = tl.sum(acc, axis=2)
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
@@ -517,39 +576,42 @@ _SPLIT_TILE = {Q8_0: ((8, 32, 8, 4), (16, 16, 8, 4), (16, 16, 2, 4)),
                Q4_0: ((8, 32, 8, 4), (64, 16, 8, 4), (16, 16, 2, 4)),
                Q5_0: ((64, 8, 24, 4), (64, 4, 8, 4), (32, 8, 2, 4)),
                Q6_K: ((8, 32, 8, 4), (8, 32, 8, 2), (64, 4, 2, 4))}
-#: Tiles without split-K at 1 and 2..4 rows: (programs per SM, block_n, kbs, num_warps), the first whose cdiv(N,
-#: block_n) row tiles alone give at least that many programs per SM; kbs 0 takes a row in two K steps (the power of
-#: two >= half its blocks, at most 128).  Else ``_SPLIT_TILE`` and split-K.  H200, session 20, same run, us, this tile /
-#: session 19's (``_SPLIT_TILE``, split-K where its row tiles are few) / the best of 12-47 tiles (rows 4-64, kbs
-#: 16-128, no split-K or split-K to 2 / 8 / 24 programs per SM):
-#: batch 1, expert gate/up 2048 x 6144 (4 rows, kbs 128, 512 programs) Q4_0 6.37 / 8.25 / 6.37, Q5_0 8.58 / 8.58 /
-#: 8.24, Q8_0 7.67 / 8.40 / 7.46, Q6_K 7.63 / 8.66 / 7.63; expert down 6144 x 2048 (kbs 32) Q4_0 6.13 / 6.88 / 6.13,
-#: Q5_0 6.99 / 8.32 / 6.99, Q8_0 6.93 / 7.26 / 6.82, Q6_K (8 rows) 7.02 / 7.02 / 7.02 (4 rows: 9.27);
-#: batch 4, expert down (16 rows, kbs 32) Q4_0 8.21 / 9.14 / 8.21, Q5_0 9.96 / 10.10 / 9.96, Q8_0 8.48 / 10.23 / 8.48
-#: (gate/up keeps ``_SPLIT_TILE``: 128 row tiles).  Q6_K lm_head/8 (19360 x 6144), session 19, same run, us, its
-#: 8-per-SM tile / ``_SPLIT_TILE``'s / GGUF rows / bf16 cuBLAS: batch 1 39.2 / 44.0 / 68.7 / 65.7, batch 4 58.0 / >
-#: 63.9 / 88.0 / 66.1.
-_LEGACY_ROW_TILES = (((2, 4, 0, 4),), ((2, 16, 32, 4),))
+#: Tiles without split-K at 1 and 2..4 rows: (programs per SM, block_n, kbs, num_warps, ahead), the first whose
+#: cdiv(N, block_n) row tiles alone give at least that many programs per SM; kbs 0: the power of two >= half a row's
+#: blocks, at most 64 (a row in 2 or more K steps); ahead: each step's loads issued one step ahead (``GemvConfig``).
+#: Else ``_SPLIT_TILE`` and split-K (loads ahead were slower there: Q4_0 expert gate/up at batch 4 11.70 against 9.00
+#: us).  H200, session 20, same run, us, this tile / the 4-row, kbs-up-to-128 tiles without loads ahead of the first
+#: run / session 19's tile (``_SPLIT_TILE``, split-K where its row tiles are few):
+#: batch 1 (Q4_0 / Q5_0 / Q8_0 / Q6_K): expert gate/up 2048 x 6144 (4 rows, kbs 64) 5.72 / 7.50 / 6.64 / 6.40 against
+#: 6.18 / 8.51 / 7.62 / 6.94 and 8.27 / 8.67 / 8.18 / 7.77; expert down 6144 x 2048 (kbs 32) 6.38 / 6.85 / 6.94 /
+#: 6.35 (Q6_K: 8 rows, no loads ahead; with them 7.60) against 6.58 / 6.96 / 7.00 / 6.35 and 6.85 / 8.42 / 7.11 /
+#: 6.35; q_b/8 2048 x 2048 3.61 / 4.31 / 4.00 / 3.78 against 4.62 / 5.22 / 4.62 / 4.08 and 5.49 / 5.97 / 5.36 / 5.22;
+#: lm_head/8 19360 x 6144 31.44 / 43.65 / 38.40 against 31.28 / 45.62 / 45.45 and 38.56 / 64.89 / 40.65.
+#: Batch 4, 16 rows, kbs 32 (legacy types): expert down 7.59 / 9.02 / 7.98 against 8.06 / 9.78 / 8.42 and 8.91 /
+#: 10.04 / 9.91; lm_head/8 48.25 / 60.54 / 48.23 against 51.18 / 63.22 / 51.23 and 49.69 / 93.37 / 59.88.
+#: Q6_K lm_head/8 (8 rows, kbs 32, 2 warps, >= 8 programs per SM): batch 1 34.44, batch 4 51.78 (the 16-row, kbs-8
+#: tile of session 19: 69.37; GGUF rows and bf16 cuBLAS, session 19: 68.7 / 65.7 and 88.0 / 66.1).
+_LEGACY_ROW_TILES = (((2, 4, 0, 4, True),), ((2, 16, 32, 4, True),))
 _SPLIT_ROW_TILES = {Q8_0: _LEGACY_ROW_TILES, Q4_0: _LEGACY_ROW_TILES, Q5_0: _LEGACY_ROW_TILES,
-                    Q6_K: (((8, 8, 32, 2), (2, 8, 0, 4), (2, 4, 0, 4)), ((8, 16, 8, 2),))}
+                    Q6_K: (((8, 8, 32, 2, False), (2, 8, 0, 4, False), (2, 4, 0, 4, True)), ((8, 8, 32, 2, False),))}
 
 
 def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
                       tile: tuple[int, int, int, int] | None = None) -> GemvConfig:
     """Launch parameters of the split-row GEMV (``q8`` set): at 1..4 rows the first of ``_SPLIT_ROW_TILES`` whose
-    row tiles alone give enough programs per SM (no split-K); else the tile ``_SPLIT_TILE`` gives for the base type
-    and M (or ``tile``: rows, kbs, programs per SM aimed at, warps), with split-K up to the tile's programs per SM
-    while the row tiles alone give fewer than 2 per SM.  ``block_m`` = the next power of two >= M (at most
-    MAX_BLOCK_M)."""
+    row tiles alone give enough programs per SM (no split-K, loads ahead as the entry says); else the tile
+    ``_SPLIT_TILE`` gives for the base type and M (or ``tile``: rows, kbs, programs per SM aimed at, warps), with
+    split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM.  ``block_m`` = the
+    next power of two >= M (at most MAX_BLOCK_M)."""
     bucket = 0 if M <= 1 else 1 if M <= 4 else 2
     nb = K // 32
     block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
-    for per_sm, block_n, kbs, num_warps in (_SPLIT_ROW_TILES[base_type(stype)][bucket] if tile is None
-                                            and bucket < 2 else ()):
+    for per_sm, block_n, kbs, num_warps, ahead in (_SPLIT_ROW_TILES[base_type(stype)][bucket] if tile is None
+                                                   and bucket < 2 else ()):
         if triton.cdiv(N, block_n) >= per_sm * sms:
-            kbs = kbs or min(128, _pow2_at_least(triton.cdiv(nb, 2)))
+            kbs = kbs or min(64, _pow2_at_least(triton.cdiv(nb, 2)))
             return GemvConfig(block_n=block_n, kbs=min(kbs, _pow2_at_most(nb)), split_k=1, num_warps=num_warps,
-                              block_m=block_m, q8=True)
+                              block_m=block_m, q8=True, ahead=ahead)
     block_n, kbs, per_sm, num_warps = tile or _SPLIT_TILE[base_type(stype)][bucket]
     kbs = min(kbs, _pow2_at_most(nb))
     steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -640,5 +702,5 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     _gemv_split_kernel[grid](xq.view(torch.int32), xd, w, y, part, counters, M, N, nb, blocks_per_split, w.stride(0),
                              y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
                              SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, PDL=pdl,
-                             num_warps=config.num_warps, **pdl_launch(pdl))
+                             AHEAD=config.ahead, num_warps=config.num_warps, **pdl_launch(pdl))
     return y
