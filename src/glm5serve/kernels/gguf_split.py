@@ -254,8 +254,7 @@ def _step_split(acc, row_ptr, d_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, xd_ptr
     ((low << 2) | (top << 6)) ^ 0x80 is 4 (u - 32).  Weight d * scale * (u - 32) (gguf-py ``Q6_K``)."""
     q, xa, xb, qh, sc = _load_codes(row_ptr, qh_ptr, sc_ptr, b0, end, nb, xw_ptr, mrow, mmask, QTYPE, KBS)
     dot = _dot_split(q, xa, xb, qh, sc, mrow.shape[0], QTYPE, EMULATE)
-    # the scales are loaded after the integer products, as their program order keeps registers free (loaded with
-    # the codes, Q5_0 at 16 rows spills)
+    # scales loaded after the integer products: loaded with the codes, Q5_0 at 16 rows spills 8 bytes (Triton 3.8)
     dw, dx = _load_scales(d_ptr, xd_ptr, b0, end, nb, mrow, mmask, QTYPE, KBS)
     return _scale_split(acc, dot, dw, dx, QTYPE)
 
