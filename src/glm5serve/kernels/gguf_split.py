@@ -366,6 +366,68 @@ def _scale_split(acc, dot, dw, dx, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_row(row_ptr, qh_ptr, d_ptr, xw_ptr, xd_ptr, b0, end, QTYPE: tl.constexpr, KBS: tl.constexpr):
+    """The loads of a K step of ``_step_split`` at one activation row for Q4_0, Q5_0 and Q8_0 (``xw_ptr`` /
+    ``xd_ptr``: that row's words and block scales), every one shaped like the code words q ([BN, KBS, 8] Q8_0, else
+    [BN, KBS, 4]) or their block sums ([BN, KBS]): xa / xb as ``_load_codes`` returns them but repeated over the
+    rows (each lane loads the words its own codes meet, from L1), qh ([BN, KBS] Q5_0, else q), dw and dx ([BN,
+    KBS]).  Why: Triton gives a load the layout of its shape, so with activations shaped [KBS, 4] and
+    broadcast over the rows it converted 13 tensors per K step through shared memory, with a barrier each (Triton
+    3.6, 4 x 64 tiles: 24 BAR.SYNC in the Q4_0 loop, 3.1 SASS per weight; this way none and 2.1; Q5_0's qh words
+    and the accumulator are still converted, 2 barriers)."""
+    BN: tl.constexpr = row_ptr.shape[0]
+    kb = b0 + tl.arange(0, KBS)
+    bmask = kb < end
+    W: tl.constexpr = 8 if QTYPE == 8 else 4
+    t = tl.arange(0, W)
+    m3 = bmask[None, :, None]
+    zero = tl.zeros([BN, 1, 1], dtype=tl.int32)
+    zero2 = tl.zeros([BN, 1], dtype=tl.int32)
+    q = tl.load(row_ptr[:, None, None] + (kb * W)[None, :, None] + t[None, None, :], mask=m3, other=0,
+                eviction_policy="evict_first")
+    xo = zero + (kb * 8)[None, :, None] + t[None, None, :]
+    xa = tl.load(xw_ptr + xo, mask=m3, other=0)
+    xb = xa
+    if QTYPE != 8:
+        xb = tl.load(xw_ptr + xo + 4, mask=m3, other=0)
+    qh = q
+    if QTYPE == 6:
+        qh = tl.load(qh_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    dw = tl.load(d_ptr[:, None] + kb[None, :], mask=bmask[None, :], other=0)
+    dx = tl.load(xd_ptr + zero2 + kb[None, :], mask=bmask[None, :], other=0.0)
+    return q, xa, xb, qh, dw, dx
+
+
+@triton.jit
+def _dot_row(q, xa, xb, qh, QTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """``_dot_split`` on what ``_load_row`` returns: [BN, KBS] int32, elementwise on the code words and summed over
+    each block's words in the thread that holds them (no ``tl.split``)."""
+    zero = tl.zeros(q.shape, dtype=tl.int32)
+    if QTYPE == 8:
+        return tl.sum(_dp4a(q, xa, zero, EMULATE), axis=2)
+    t = tl.arange(0, 4)[None, None, :]
+    if QTYPE == 6:
+        nqh = ~qh[:, :, None]  # inverted fifth bits: the codes become u ^ 16 (see ``_step_split``)
+        lo = ((q & 0x0F0F0F0F) | _fifth_bits(nqh, t)) << 3
+        hi = (((q >> 4) & 0x0F0F0F0F) | _fifth_bits(nqh, t + 4)) << 3
+    else:
+        w = q ^ _MINUS_8  # every nibble u -> u ^ 8
+        lo = (w << 4) & _TOP_NIBBLES
+        hi = w & _TOP_NIBBLES
+    return tl.sum(_dp4a(hi, xb, _dp4a(lo, xa, zero, EMULATE), EMULATE), axis=2)
+
+
+@triton.jit
+def _scale_row(acc, dot, dw, dx, QTYPE: tl.constexpr):
+    """``_scale_split`` at one activation row: acc [BN, KBS] fp32."""
+    d = dw.to(tl.float16, bitcast=True).to(tl.float32)
+    if QTYPE == 8:
+        return acc + d * dx * dot.to(tl.float32)
+    UNSCALE: tl.constexpr = 0.125 if QTYPE == 6 else 0.0625  # as ``_scale_split``
+    return acc + d * dx * dot.to(tl.float32) * UNSCALE
+
+
+@triton.jit
 def _prefetch_split_step(row_ptr, qh_ptr, sc_ptr, d_ptr, on, b0, QTYPE: tl.constexpr, KBS: tl.constexpr):
     """Ask L2 for the code words, qh words, scales and d of blocks [b0, b0 + KBS) of each split row where on
     ([BLOCK_N] bool) holds (pointers as in ``_step_split``)."""
@@ -410,6 +472,29 @@ def _gemv_split_kernel(xw_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, 
             b = blk_begin + d * KBS
             _prefetch_split_step(row_ptr, qh_ptr, sc_ptr, d_ptr, rmask & (b < blk_end), b, QTYPE, KBS)
         _gdc_wait()
+    # one activation row, Q4_0/Q5_0/Q8_0: every tensor of the K loop shaped like the code words (``_load_row``).  H200,
+    # same run, us, against the [BLOCK_M, BLOCK_N, KBS] step: expert gate/up Q4_0 / Q5_0 / Q8_0 4.98 / 5.78 / 6.06 against
+    # 5.53 / 7.57 / 6.84, down 5.00 / 5.80 / 5.98 against 6.56 / 6.86 / 7.29, lm_head/8 20.7 / 27.6 / 33.7 against
+    # 31.7 / 43.7 / 38.8; Q6_K (its qh words and scale pairs still converted) took longer: 6.86 / 7.59 / 42.4 against
+    # 6.83 / 7.01 / 35.9, and keeps that step
+    if BLOCK_M == 1 and QTYPE != 14:
+        xw_row = xw_ptr + pid_m.to(tl.int64) * nb * 8
+        xd_row = xd_ptr + pid_m.to(tl.int64) * nb
+        acc1 = tl.zeros([BLOCK_N, KBS], dtype=tl.float32)
+        if AHEAD:
+            q, xa, xb, qh, dw, dx = _load_row(row_ptr, qh_ptr, d_ptr, xw_row, xd_row, blk_begin, blk_end, QTYPE, KBS)
+            for b0 in range(blk_begin, blk_end, KBS):
+                nq, nxa, nxb, nqh, ndw, ndx = _load_row(row_ptr, qh_ptr, d_ptr, xw_row, xd_row, b0 + KBS, blk_end,
+                                                        QTYPE, KBS)
+                acc1 = _scale_row(acc1, _dot_row(q, xa, xb, qh, QTYPE, EMULATE), dw, dx, QTYPE)
+                q, xa, xb, qh, dw, dx = nq, nxa, nxb, nqh, ndw, ndx
+        else:
+            for b0 in range(blk_begin, blk_end, KBS):
+                q, xa, xb, qh, dw, dx = _load_row(row_ptr, qh_ptr, d_ptr, xw_row, xd_row, b0, blk_end, QTYPE, KBS)
+                acc1 = _scale_row(acc1, _dot_row(q, xa, xb, qh, QTYPE, EMULATE), dw, dx, QTYPE)
+        _write_tile(tl.sum(acc1, axis=1)[None, :], y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n,
+                    pid_k, pid_m, BLOCK_M, SPLIT_K)
+        return
     mrow = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mmask = mrow < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, KBS], dtype=tl.float32)
