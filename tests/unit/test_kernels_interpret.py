@@ -304,22 +304,24 @@ else:
         assert torch.equal(via, y)
 
     @pytest.mark.parametrize("M,block_m", [(3, 2), (3, 4), (8, 8), (6, 4)])
-    def test_q8_rows_per_program_compute_what_one_row_per_program_does(M, block_m):
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
+    def test_q8_rows_per_program_compute_what_one_row_per_program_does(qtype, M, block_m):
         """Several activation rows per program (``_step_kquant_q8_rows``: dp4a chains over each sub-block's words)
-        and one row per program (``_step_q4_k_q8``: dp4a then a sum over the words) do the same integer and fp32
-        arithmetic per output, so under the interpreter (numpy sums in one order) they agree bit for bit; with
-        split-K, a partial row tile and a partial last activation tile.  A wrong activation row or sub-block offset
-        in either breaks this."""
+        and one row per program (``_step_q4_k_q8``: dp4a then a sum over the words, Q5_K's fifth bit added the
+        same way) do the same integer and fp32 arithmetic per output, so under the interpreter (numpy sums in one
+        order) they agree bit for bit; with split-K, with and without loads one step ahead, a partial row tile and
+        a partial last activation tile.  A wrong activation row, sub-block offset or qh shift in either breaks
+        this."""
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 
-        x, w, _, _ = _case(Q.Q4_K, M=M, N=21, K=_k(Q.Q4_K, 3), seed=90 + M * block_m, dtype=torch.bfloat16)
-        for cfg in (dict(), dict(kbs=1, split_k=2)):
-            one = gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=1, **cfg)
-            assert torch.equal(gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=block_m, **cfg), one), cfg
+        x, w, _, _ = _case(qtype, M=M, N=21, K=_k(qtype, 3), seed=90 + M * block_m, dtype=torch.bfloat16)
+        for cfg in (dict(), dict(kbs=1, split_k=2), dict(kbs=2, split_k=2, ahead=True)):
+            one = gguf_linear_q8(x, w, qtype, 21, block_m=1, **cfg)
+            assert torch.equal(gguf_linear_q8(x, w, qtype, 21, block_m=block_m, **cfg), one), cfg
         assert one.abs().amax(1).min() > 0  # every row was computed
         for bad in (3, 2.0, True, 16):  # a float or bool is not a row count (review finding, session 7)
             with pytest.raises(ValueError, match=f"block_m={bad}"):
-                gguf_linear_q8(x, w, Q.Q4_K, 21, block_m=bad)
+                gguf_linear_q8(x, w, qtype, 21, block_m=bad)
 
     @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q6_K), ids=lambda q: q.name)
     def test_q8_config_is_ignored_for_other_types(qtype):

@@ -158,72 +158,89 @@ def _kquant_words(row_ptr, rmask, b0, end, KBS: tl.constexpr, FIVE: tl.constexpr
 
 
 @triton.jit
-def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr,
+                  FIVE: tl.constexpr = False):
     """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
 
     Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
     nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
     activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
     """
-    j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi = _load_q4_k_q8(row_ptr, rmask, b0, nb, xw_ptr,
-                                                                            xd_ptr, xs_ptr, KBS)
-    return _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, EMULATE)
+    j, h0, h1, h2, h3, q, qh, xlo, xhi, dxl, dxh, sxl, sxh = _load_q4_k_q8(row_ptr, rmask, b0, nb, xw_ptr, xd_ptr,
+                                                                          xs_ptr, KBS, FIVE)
+    return _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dxl, dxh, sxl, sxh, FIVE, EMULATE)
 
 
 @triton.jit
-def _load_q4_k_q8(row_ptr, rmask, b0, end, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr):
+def _load_q4_k_q8(row_ptr, rmask, b0, end, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, FIVE: tl.constexpr = False):
     """The loads of ``_step_q4_k_q8`` (super-blocks b0 .. b0 + KBS - 1, those from ``end`` masked off): qs chunk
-    index j, header words, qs words, activation words (low, high), scales and block sums."""
-    kb, j, t, bmask, h0, h1, h2, h3, q, _ = _kquant_words(row_ptr, rmask, b0, end, KBS)
-    xo = (kb * 64 + j * 16)[:, None] + t[None, :]
-    xlo = tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)
-    xhi = tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)
-    sb = kb * 8 + 2 * j  # sub-block 2j of the row's activation blocks
-    dx_lo = tl.load(xd_ptr + sb, mask=bmask, other=0.0)
-    dx_hi = tl.load(xd_ptr + sb + 1, mask=bmask, other=0.0)
-    sx_lo = tl.load(xs_ptr + sb, mask=bmask, other=0.0)
-    sx_hi = tl.load(xs_ptr + sb + 1, mask=bmask, other=0.0)
-    return j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi
+    index j, header words, qs words q [BN, 4 KBS, 8], qh (``_kquant_words``), activation words (low, high), scales
+    and block sums, every one shaped like q or its word sums [BN, 4 KBS]: the activations are repeated over the
+    rows (each lane loads the words its own codes meet, from L1).  Why: Triton gives a load the layout of its
+    shape, and with activations shaped [4 KBS, 8] and broadcast over the rows it converted them and the scales
+    through shared memory on every K step (Triton 3.6, 4 x 8 tile: Q4_K 12 BAR.SYNC in the loop, Q5_K 36)."""
+    kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, end, KBS, FIVE)
+    zero = tl.zeros([row_ptr.shape[0], 1, 1], dtype=tl.int32)
+    m3 = bmask[None, :, None]
+    xo = zero + (kb * 64 + j * 16)[None, :, None] + t[None, None, :]
+    xlo = tl.load(xw_ptr + xo, mask=m3, other=0)
+    xhi = tl.load(xw_ptr + xo + 8, mask=m3, other=0)
+    sb = tl.zeros([row_ptr.shape[0], 1], dtype=tl.int32) + (kb * 8 + 2 * j)[None, :]  # sub-block 2j, per row
+    m2 = bmask[None, :]
+    dx_lo = tl.load(xd_ptr + sb, mask=m2, other=0.0)
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=m2, other=0.0)
+    sx_lo = tl.load(xs_ptr + sb, mask=m2, other=0.0)
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=m2, other=0.0)
+    return j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi
 
 
 @triton.jit
-def _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, EMULATE: tl.constexpr):
-    """The arithmetic of ``_step_q4_k_q8`` on the values ``_load_q4_k_q8`` returns."""
+def _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, FIVE: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """The arithmetic of ``_step_q4_k_q8`` on the values ``_load_q4_k_q8`` returns (FIVE: Q5_K, its fifth code bit
+    from qh to bit 4 of each code byte, as ``_math_kquant_q8_rows``)."""
     zero = tl.zeros(q.shape, dtype=tl.int32)
-    dlo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.broadcast_to(xlo[None, :, :], q.shape), zero, EMULATE), axis=2)
-    dhi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(xhi[None, :, :], q.shape), zero, EMULATE), axis=2)
+    clo = q & 0x0F0F0F0F
+    chi = (q >> 4) & 0x0F0F0F0F
+    if FIVE:
+        clo = clo | ((qh << 4) & 0x10101010)
+        chi = chi | ((qh << 3) & 0x10101010)
+    dlo = tl.sum(_dp4a(clo, xlo, zero, EMULATE), axis=2)
+    dhi = tl.sum(_dp4a(chi, xhi, zero, EMULATE), axis=2)
     sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
     sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
     # weight = d * sc * u - dmin * mn (gguf-py Q4_K.dequantize_blocks); sum_i w_i x_i per sub-block
-    return acc + _f16_lo(h0) * (sc0 * dx_lo[None, :] * dlo.to(tl.float32) + sc1 * dx_hi[None, :] * dhi.to(tl.float32)
-                                ) - _f16_hi(h0) * (mn0 * sx_lo[None, :] + mn1 * sx_hi[None, :])
+    return acc + _f16_lo(h0) * (sc0 * dx_lo * dlo.to(tl.float32) + sc1 * dx_hi * dhi.to(tl.float32)
+                                ) - _f16_hi(h0) * (mn0 * sx_lo + mn1 * sx_hi)
 
 
 @triton.jit
 def _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, BLOCK_N: tl.constexpr,
-                 KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, AHEAD: tl.constexpr = False):
-    """Super-blocks blk_begin..blk_end-1 of BLOCK_N Q4_K rows (``row_ptr``: int32 word pointers, nb super-blocks per
-    row) dotted with one row of int8 activations (``xw_ptr``/``xd_ptr``/``xs_ptr``: that row's codes as words,
-    scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none).  AHEAD: each step's
-    loads are issued one step ahead, into registers (two steps of weights in flight per program)."""
+                 KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, AHEAD: tl.constexpr = False,
+                 FIVE: tl.constexpr = False):
+    """Super-blocks blk_begin..blk_end-1 of BLOCK_N Q4_K (FIVE: Q5_K) rows (``row_ptr``: int32 word pointers, nb
+    super-blocks per row) dotted with one row of int8 activations (``xw_ptr``/``xd_ptr``/``xs_ptr``: that row's
+    codes as words, scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none).  AHEAD:
+    each step's loads are issued one step ahead, into registers (two steps of weights in flight per program)."""
+    QT: tl.constexpr = 13 if FIVE else 12
     for d in tl.static_range(1, PREFETCH):
-        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, 12, KBS)  # 12: Q4_K
+        _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QT, KBS)
     acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
     if AHEAD:
-        j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh = _load_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, xw_ptr,
-                                                                          xd_ptr, xs_ptr, KBS)
+        j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = _load_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, xw_ptr,
+                                                                         xd_ptr, xs_ptr, KBS, FIVE)
         for b0 in range(blk_begin, blk_end, KBS):
             if PREFETCH > 0:
-                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
-            nj, n0, n1, n2, n3, nq, nxl, nxh, ndl, ndh, nsl, nsh = _load_q4_k_q8(row_ptr, rmask, b0 + KBS, blk_end,
-                                                                                xw_ptr, xd_ptr, xs_ptr, KBS)
-            acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh, EMULATE)
-            j, h0, h1, h2, h3, q, xlo, xhi, dxl, dxh, sxl, sxh = nj, n0, n1, n2, n3, nq, nxl, nxh, ndl, ndh, nsl, nsh
+                _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QT, KBS)
+            nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh = _load_q4_k_q8(
+                row_ptr, rmask, b0 + KBS, blk_end, xw_ptr, xd_ptr, xs_ptr, KBS, FIVE)
+            acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh, FIVE, EMULATE)
+            j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh
         return tl.sum(acc, axis=1)
     for b0 in range(blk_begin, blk_end, KBS):
         if PREFETCH > 0:
-            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, 12, KBS)
-        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS, EMULATE)
+            _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QT, KBS)
+        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS, EMULATE, FIVE)
     return tl.sum(acc, axis=1)
 
 
@@ -430,8 +447,10 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
                     KBS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
                     AHEAD: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Grid (N tiles, SPLIT_K, M tiles of BLOCK_M activation rows); split-K as ``gguf_gemv._gemv_kernel``.  w_ptr:
-    int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K at BLOCK_M = 1 takes the
-    one-row step (faster there: H200 lm_head/8 37.4 against 46.5 us for the rows step at one row).  AHEAD (Q4_K,
+    int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K and Q5_K at BLOCK_M = 1 take the
+    one-row step (faster there: H200 Q4_K lm_head/8 37.4 against 46.5 us for the rows step at one row; session 22,
+    same run, Q5_K at pick_config's tiles, us: expert gate/up 6.15 against 7.81, down 6.63 against 8.07, lm_head/8
+    37.0 against 50.7).  AHEAD (Q4_K,
     Q5_K): each step's loads are issued one step ahead, into registers.  PDL: ``gguf_gemv._pdl_prologue``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -447,10 +466,10 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
     blk_begin = pid_k * blocks_per_split
     blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
     _pdl_prologue(row_ptr, rmask, blk_begin, blk_end, QTYPE, KBS, PDL)
-    if BLOCK_M == 1 and QTYPE == 12:
+    if BLOCK_M == 1 and QTYPE != 14:
         m = pid_m.to(tl.int64)
         y = _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr + m * nb * 64, xd_ptr + m * nb * 8,
-                         xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE, AHEAD)[None, :]
+                         xs_ptr + m * nb * 8, BLOCK_N, KBS, PREFETCH, EMULATE, AHEAD, QTYPE == 13)[None, :]
     elif AHEAD and QTYPE != 14:
         for d in tl.static_range(1, PREFETCH):
             _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QTYPE, KBS)
