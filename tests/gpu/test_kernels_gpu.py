@@ -408,7 +408,7 @@ def test_q8_loads_ahead_change_no_bit(qtype, M):
 
     x, w, _, _ = _linear_case(qtype, M, 301, 7 * 256, torch.bfloat16, seed=95 + M)
     for kw in (dict(block_n=16, kbs=4), dict(block_n=8, kbs=2, split_k=3), dict(block_n=16, kbs=1, split_k=2),
-               dict(block_n=4, kbs=8)):  # the last: batch 1's ``_Q8_NARROW_TILE``
+               dict(block_n=4, kbs=8), dict(block_n=4, kbs=4, num_warps=2)):  # the last two: batch 1's tiles
         assert torch.equal(gguf_linear_q8(x, w, qtype, 301, ahead=True, **kw), gguf_linear_q8(x, w, qtype, 301, **kw))
 
 

@@ -82,7 +82,10 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
 @example(qtype=Q5_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q5_K expert down at batch 1 (8.7 MB)")
 @example(qtype=Q5_K, M=1, N=2048, blocks=8, dtype=torch.bfloat16).via("Q5_K q_b/8 at batch 1 (2.9 MB)")
 @example(qtype=Q4_K, M=4, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 4: loads ahead")
-@example(qtype=Q4_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 1: 8-row tiles")
+@example(qtype=Q4_K, M=1, N=6144, blocks=8, dtype=torch.bfloat16).via("Q4_K expert down at batch 1: kbs 4, 2 warps")
+@example(qtype=Q5_K, M=1, N=19360, blocks=24, dtype=torch.bfloat16).via("Q5_K lm_head/8 at batch 1: no loads ahead")
+@example(qtype=Q4_K, M=1, N=8444, blocks=24, dtype=torch.bfloat16).via("Q4_K: 2111 tiles of 4 rows, loads ahead")
+@example(qtype=Q4_K, M=1, N=8448, blocks=24, dtype=torch.bfloat16).via("Q4_K: 2112 tiles of 4 rows, none ahead")
 @example(qtype=Q4_K, M=1, N=2048, blocks=24, dtype=torch.bfloat16).via("Q4_K expert gate/up at batch 1: 4-row tiles")
 @example(qtype=Q5_K, M=1, N=2048, blocks=24, dtype=torch.bfloat16).via("Q5_K expert gate/up at batch 1: 4-row tiles")
 @example(qtype=Q4_K, M=1, N=1052, blocks=24, dtype=torch.bfloat16).via("Q4_K: 263 tiles of 4 rows, split-K")
@@ -101,8 +104,8 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
     rows per program; never chosen for the interpreter; L2 prefetch only for the other types' weights of
     PREFETCH_MIN_BYTES or more at 2..4 rows; loads one step ahead for Q4_K at 2..4 rows; for Q6_K tiles of 8 rows
     (kbs 4, 2 warps) at 5..8 rows and at 2..4 rows where they alone give >= 2 programs per SM; at batch 1 tiles of 4
-    rows (kbs 8, loads ahead) where 8-row tiles would need split-K and 4-row tiles do not; split-K only while the
-    programs do not fill the GPU (>= 2 per SM)."""
+    rows, kbs 8 on 4 warps (kbs 4 on 2 warps for rows of fewer than 16 super-blocks), loads ahead while the row
+    tiles give fewer than 16 programs per SM; split-K only while the programs do not fill the GPU (>= 2 per SM)."""
     qk, qb = BLOCK_SIZES[qtype]
     K = blocks * qk
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
@@ -114,15 +117,15 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
     if gpu.q8:
         assert gpu.block_m == next(b for b in (1, 2, 4, 8) if b >= M)  # rows per program: the CUDA-graph size
         assert gpu.prefetch == int(qtype != Q4_K and 1 < M <= 4 and weight_bytes >= PREFETCH_MIN_BYTES)
-        narrow = M == 1 and -(-N // 8) < 2 * 132 <= -(-N // 4)
-        assert gpu.ahead == (qtype == Q4_K and 1 < M <= 4 or narrow)
+        assert gpu.ahead == (qtype == Q4_K and 1 < M <= 4 or M == 1 and -(-N // 4) < 16 * 132)
         # 8-row tiles: Q6_K at 5..8 rows, and at 2..4 rows where they still fill the GPU
         many = qtype == Q6_K and 1 < M and (M > 4 or -(-N // 8) >= 2 * 132)
-        assert gpu.block_n == (4 if narrow else 8 if M == 1 or many else 64 if qtype == Q6_K else 16)
+        assert gpu.block_n == (4 if M == 1 else 8 if many else 64 if qtype == Q6_K else 16)
         if M == 1:
-            assert gpu.kbs == min(8 if narrow else 4, 1 << blocks.bit_length() - 1)
-        assert (gpu.num_warps, gpu.kbs if many else None) == ((2, min(4, 1 << blocks.bit_length() - 1)) if many
-                                                             else (4, None))
+            assert (gpu.kbs, gpu.num_warps) == ((8, 4) if blocks >= 16 else (min(4, 1 << blocks.bit_length() - 1), 2))
+        else:
+            assert (gpu.num_warps, gpu.kbs if many else None) == ((2, min(4, 1 << blocks.bit_length() - 1)) if many
+                                                                 else (4, None))
         assert 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1 and (qtype != Q6_K or gpu.kbs % 2 == 0)
         if -(-N // gpu.block_n) >= 2 * 132:  # enough row tiles: no split-K
             assert gpu.split_k == 1, gpu

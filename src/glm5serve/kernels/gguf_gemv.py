@@ -802,7 +802,8 @@ Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: Batch 1, session 13, same run, 8 / 16 rows per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 /
 #: 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 / 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8
 #: batch 4 62.0 against 63.6).  Q6_K at 2..4 rows on weights of many rows: ``_Q8_MANY_ROWS_TILE`` instead.
-_Q8_TILE = {Q4_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 2, 2, 4)),
+#: Batch 1 now takes ``_q8_row_tile`` instead.
+_Q8_TILE = {Q4_K: (None, (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: (None, (16, 4, 2, 4), (16, 2, 2, 4)),
             Q6_K: (None, (64, 2, 8, 4), (8, 4, 8, 2))}
 #: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where cdiv(N, block_n) row tiles alone give
 #: >= 2 programs per SM (so no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
@@ -812,13 +813,27 @@ _Q8_TILE = {Q4_K: ((8, 4, 8, 4), (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((8, 4, 8,
 #: (the 64-row heuristic; the sweep's best, 73.1 with 64 rows, kbs 4 and 3-way split-K, is a tuned entry).  At 5..8
 #: rows Q6_K takes the same tile on every shape (``_Q8_TILE``).
 _Q8_MANY_ROWS_TILE = {Q6_K: (8, 4, 2)}
-#: (block_n, kbs, num_warps), loads one step ahead, of the int8-activation kernel at batch 1 where ``_Q8_TILE``'s row
-#: tiles would need split-K (fewer than 2 programs per SM) and cdiv(N, block_n) of these do not: halving the rows per
-#: program beat splitting K.  H200, session 20, same run, expert gate/up 2048 x 6144 (512 programs against 256 x 5-6
-#: split-K), us, this tile / ``_Q8_TILE``'s / the best of 132 (rows 4-32, kbs 2-8, split-K to 2 / 8 / 24 programs per
-#: SM, 2-8 warps, with and without ``ahead``): Q4_K 5.56 / 6.60 / 5.56, Q5_K 7.74 / 9.10 / 7.74.  Where ``_Q8_TILE``
-#: needs no split-K it stays (expert down 6144 x 2048: Q4_K 5.46 against a best of 5.38, Q5_K 7.84 against 7.45).
-_Q8_NARROW_TILE = {Q4_K: (4, 8, 4), Q5_K: (4, 8, 4)}
+#: programs per SM below which the int8-activation kernel's batch-1 tiles issue their loads one step ahead
+#: (``_q8_row_tile``)
+Q8_M1_AHEAD_PER_SM = 16
+
+
+def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
+    """(block_n, kbs, num_warps, ahead) of the int8-activation kernel at batch 1 (Q4_K and Q5_K, the one-row step
+    ``gguf_gemv_q8._dot_q4_k_q8``): 4 weight rows per program, K steps of 8 super-blocks on 4 warps (4 on 2 warps
+    where a row holds fewer than 16, so that it still takes two steps), loads one step ahead while the row tiles
+    give fewer than ``Q8_M1_AHEAD_PER_SM`` programs per SM.
+
+    Measured on an H200, session 22, one run, after the one-row step's loads were shaped like the code words (17
+    tiles: 4/8/16 rows, kbs 4/8, 2/4 warps, with and without ``ahead``, split-K to 8 programs per SM), us, best /
+    this tile / the session-20 heuristic (8 rows, kbs 4; 4 x 8 ahead where 8-row tiles needed split-K): Q4_K expert
+    gate/up 2048 x 6144 (3.9 programs per SM) 5.18 / 5.18 / 5.18, expert down 6144 x 2048 (11.6) 5.22 / 5.22 / 6.02,
+    lm_head/8 19360 x 6144 (36.7; without ``ahead``) 27.97 / 27.97 / 29.93; Q5_K 6.18 / 6.18 / 6.18, 6.29 / 6.29 /
+    6.58, 33.22 / 33.22 / 37.32.  With ``ahead`` on lm_head/8: Q4_K 29.05, Q5_K 35.38; without it on gate/up: 7.09,
+    7.13.  The same configuration measured twice in that run differed by up to 7 %."""
+    kbs = 8 if nb >= 16 else 4
+    kbs = min(kbs, _pow2_at_most(nb))
+    return 4, kbs, 4 if kbs == 8 else 2, triton.cdiv(N, 4) < Q8_M1_AHEAD_PER_SM * sms
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
 #: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
@@ -839,7 +854,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     tuned batch >= M (for M = 1: batch 1) where ``tuned/<device_name>.json`` has one, else a heuristic aiming at >=
     4 programs per SM, with L2 prefetch for weights of PREFETCH_MIN_BYTES or more, and int8 activations (``q8``) for
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
-    (``ahead`` for Q8_AHEAD types at 2..4 rows; at batch 1 ``_Q8_NARROW_TILE`` where it avoids split-K; Q6_K takes
+    (``ahead`` for Q8_AHEAD types at 2..4 rows; at batch 1 ``_q8_row_tile``; Q6_K takes
     tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at 2..4 rows where cdiv(N, 8) row tiles give >= 2 programs
     per SM).  Neither prefetch nor q8 for ``device_name``
     "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
@@ -854,15 +869,15 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
             1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
-        block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][0 if M == 1 else 1 if M <= 4 else 2]
-        many = _Q8_MANY_ROWS_TILE.get(qtype) if 1 < M <= 4 else None
-        if many and triton.cdiv(N, many[0]) >= 2 * sms:
-            block_n, kbs, num_warps = many
-        ahead = qtype in Q8_AHEAD and 1 < M <= 4
-        narrow = _Q8_NARROW_TILE.get(qtype) if M == 1 else None
-        if narrow and triton.cdiv(N, block_n) < 2 * sms <= triton.cdiv(N, narrow[0]):
-            (block_n, kbs, num_warps), ahead = narrow, True
-        kbs = min(kbs, _pow2_at_most(nb))
+        if M == 1:
+            (block_n, kbs, num_warps, ahead), per_sm = _q8_row_tile(N, nb, sms), 8
+        else:
+            block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][1 if M <= 4 else 2]
+            many = _Q8_MANY_ROWS_TILE.get(qtype) if M <= 4 else None
+            if many and triton.cdiv(N, many[0]) >= 2 * sms:
+                block_n, kbs, num_warps = many
+            ahead = qtype in Q8_AHEAD and M <= 4
+            kbs = min(kbs, _pow2_at_most(nb))
         steps, tiles = triton.cdiv(nb, kbs), triton.cdiv(N, block_n)
         split = 1 if tiles >= 2 * sms else min(steps, triton.cdiv(per_sm * sms, tiles))
         split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits

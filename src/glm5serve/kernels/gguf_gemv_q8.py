@@ -159,7 +159,7 @@ def _kquant_words(row_ptr, rmask, b0, end, KBS: tl.constexpr, FIVE: tl.constexpr
 
 @triton.jit
 def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr,
-                  FIVE: tl.constexpr = False):
+                  FIVE: tl.constexpr = False, SHAPED: tl.constexpr = True):
     """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
 
     Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
@@ -167,30 +167,41 @@ def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.c
     activation word 16j + t (low) / 16j + 8 + t (high) of the super-block's 64 int8-activation words.
     """
     j, h0, h1, h2, h3, q, qh, xlo, xhi, dxl, dxh, sxl, sxh = _load_q4_k_q8(row_ptr, rmask, b0, nb, xw_ptr, xd_ptr,
-                                                                          xs_ptr, KBS, FIVE)
+                                                                          xs_ptr, KBS, FIVE, SHAPED)
     return _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dxl, dxh, sxl, sxh, FIVE, EMULATE)
 
 
 @triton.jit
-def _load_q4_k_q8(row_ptr, rmask, b0, end, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, FIVE: tl.constexpr = False):
+def _load_q4_k_q8(row_ptr, rmask, b0, end, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, FIVE: tl.constexpr = False,
+                  SHAPED: tl.constexpr = True):
     """The loads of ``_step_q4_k_q8`` (super-blocks b0 .. b0 + KBS - 1, those from ``end`` masked off): qs chunk
     index j, header words, qs words q [BN, 4 KBS, 8], qh (``_kquant_words``), activation words (low, high), scales
-    and block sums, every one shaped like q or its word sums [BN, 4 KBS]: the activations are repeated over the
-    rows (each lane loads the words its own codes meet, from L1).  Why: Triton gives a load the layout of its
-    shape, and with activations shaped [4 KBS, 8] and broadcast over the rows it converted them and the scales
-    through shared memory on every K step (Triton 3.6, 4 x 8 tile: Q4_K 12 BAR.SYNC in the loop, Q5_K 36)."""
+    and block sums.  SHAPED: each of these shaped like q or its word sums [BN, 4 KBS], the activations repeated
+    over the rows (each lane loads the words its own codes meet, from L1); else loaded once, [1, 4 KBS, 8] and
+    [1, 4 KBS], and broadcast.  Why: Triton gives a load the layout of its shape, and broadcast activations were
+    converted, with the scales, through shared memory on every K step (Triton 3.8 at one row: Q4_K 12 BAR.SYNC in
+    the loop, Q5_K 20-24; shaped: 4).  The MoE keeps the broadcast (H200, session 22, same run, us, broadcast /
+    shaped: TP=8 slices, 1 token 23.9 / 26.9, 4 tokens 57.0 / 53.6; whole experts 83.3 / 81.6, 305 / 310)."""
     kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, rmask, b0, end, KBS, FIVE)
-    zero = tl.zeros([row_ptr.shape[0], 1, 1], dtype=tl.int32)
-    m3 = bmask[None, :, None]
-    xo = zero + (kb * 64 + j * 16)[None, :, None] + t[None, None, :]
-    xlo = tl.load(xw_ptr + xo, mask=m3, other=0)
-    xhi = tl.load(xw_ptr + xo + 8, mask=m3, other=0)
-    sb = tl.zeros([row_ptr.shape[0], 1], dtype=tl.int32) + (kb * 8 + 2 * j)[None, :]  # sub-block 2j, per row
-    m2 = bmask[None, :]
-    dx_lo = tl.load(xd_ptr + sb, mask=m2, other=0.0)
-    dx_hi = tl.load(xd_ptr + sb + 1, mask=m2, other=0.0)
-    sx_lo = tl.load(xs_ptr + sb, mask=m2, other=0.0)
-    sx_hi = tl.load(xs_ptr + sb + 1, mask=m2, other=0.0)
+    if SHAPED:
+        rep = tl.zeros([row_ptr.shape[0], 1, 1], dtype=tl.int32)
+        xo = rep + (kb * 64 + j * 16)[None, :, None] + t[None, None, :]
+        xlo = tl.load(xw_ptr + xo, mask=bmask[None, :, None], other=0)
+        xhi = tl.load(xw_ptr + xo + 8, mask=bmask[None, :, None], other=0)
+        sb = tl.sum(rep, axis=2) + (kb * 8 + 2 * j)[None, :]  # sub-block 2j of the row's activation blocks
+        smask = bmask[None, :]
+    else:
+        xo = (kb * 64 + j * 16)[:, None] + t[None, :]
+        xlo = tl.load(xw_ptr + xo, mask=bmask[:, None], other=0)[None, :, :]
+        xhi = tl.load(xw_ptr + xo + 8, mask=bmask[:, None], other=0)[None, :, :]
+        sb = kb * 8 + 2 * j
+        smask = bmask
+    dx_lo = tl.load(xd_ptr + sb, mask=smask, other=0.0)
+    dx_hi = tl.load(xd_ptr + sb + 1, mask=smask, other=0.0)
+    sx_lo = tl.load(xs_ptr + sb, mask=smask, other=0.0)
+    sx_hi = tl.load(xs_ptr + sb + 1, mask=smask, other=0.0)
+    if not SHAPED:
+        dx_lo, dx_hi, sx_lo, sx_hi = dx_lo[None, :], dx_hi[None, :], sx_lo[None, :], sx_hi[None, :]
     return j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi
 
 
@@ -205,8 +216,8 @@ def _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, 
     if FIVE:
         clo = clo | ((qh << 4) & 0x10101010)
         chi = chi | ((qh << 3) & 0x10101010)
-    dlo = tl.sum(_dp4a(clo, xlo, zero, EMULATE), axis=2)
-    dhi = tl.sum(_dp4a(chi, xhi, zero, EMULATE), axis=2)
+    dlo = tl.sum(_dp4a(clo, tl.broadcast_to(xlo, q.shape), zero, EMULATE), axis=2)
+    dhi = tl.sum(_dp4a(chi, tl.broadcast_to(xhi, q.shape), zero, EMULATE), axis=2)
     sc0, mn0 = _kquant_scale_min(h1, h2, h3, 2 * j)
     sc1, mn1 = _kquant_scale_min(h1, h2, h3, 2 * j + 1)
     # weight = d * sc * u - dmin * mn (gguf-py Q4_K.dequantize_blocks); sum_i w_i x_i per sub-block
@@ -217,30 +228,31 @@ def _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, 
 @triton.jit
 def _dot_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, nb, xw_ptr, xd_ptr, xs_ptr, BLOCK_N: tl.constexpr,
                  KBS: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, AHEAD: tl.constexpr = False,
-                 FIVE: tl.constexpr = False):
+                 FIVE: tl.constexpr = False, SHAPED: tl.constexpr = True):
     """Super-blocks blk_begin..blk_end-1 of BLOCK_N Q4_K (FIVE: Q5_K) rows (``row_ptr``: int32 word pointers, nb
     super-blocks per row) dotted with one row of int8 activations (``xw_ptr``/``xd_ptr``/``xs_ptr``: that row's
     codes as words, scales, block sums) -> [BLOCK_N] fp32; PREFETCH steps of L2 prefetch ahead (0: none).  AHEAD:
-    each step's loads are issued one step ahead, into registers (two steps of weights in flight per program)."""
+    each step's loads are issued one step ahead, into registers (two steps of weights in flight per program).
+    SHAPED: activations loaded in the code words' shape (``_load_q4_k_q8``)."""
     QT: tl.constexpr = 13 if FIVE else 12
     for d in tl.static_range(1, PREFETCH):
         _prefetch_l2(row_ptr, rmask, blk_begin + d * KBS, blk_end, QT, KBS)
     acc = tl.zeros([BLOCK_N, 4 * KBS], dtype=tl.float32)
     if AHEAD:
         j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = _load_q4_k_q8(row_ptr, rmask, blk_begin, blk_end, xw_ptr,
-                                                                         xd_ptr, xs_ptr, KBS, FIVE)
+                                                                         xd_ptr, xs_ptr, KBS, FIVE, SHAPED)
         for b0 in range(blk_begin, blk_end, KBS):
             if PREFETCH > 0:
                 _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QT, KBS)
             nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh = _load_q4_k_q8(
-                row_ptr, rmask, b0 + KBS, blk_end, xw_ptr, xd_ptr, xs_ptr, KBS, FIVE)
+                row_ptr, rmask, b0 + KBS, blk_end, xw_ptr, xd_ptr, xs_ptr, KBS, FIVE, SHAPED)
             acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh, FIVE, EMULATE)
             j, h0, h1, h2, h3, q, qh, xl, xh, dl, dh, sl, sh = nj, n0, n1, n2, n3, nq, nqh, nxl, nxh, ndl, ndh, nsl, nsh
         return tl.sum(acc, axis=1)
     for b0 in range(blk_begin, blk_end, KBS):
         if PREFETCH > 0:
             _prefetch_l2(row_ptr, rmask, b0 + PREFETCH * KBS, blk_end, QT, KBS)
-        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS, EMULATE, FIVE)
+        acc = _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS, EMULATE, FIVE, SHAPED)
     return tl.sum(acc, axis=1)
 
 

@@ -106,9 +106,10 @@ def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter,
     base = w_ptr + tl.maximum(e, 0) * stride_we
     tok = (pair // topk).to(tl.int64)
     xw, xd, xs = xw_ptr + tok * nb * 64, xd_ptr + tok * nb * 8, xs_ptr + tok * nb * 8
-    g = _dot_q4_k_q8(base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, xw, xd, xs, BLOCK_N, KBS, 0, EMULATE)
+    g = _dot_q4_k_q8(base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, xw, xd, xs, BLOCK_N, KBS, 0, EMULATE,
+                     SHAPED=False)
     u = _dot_q4_k_q8(base + (rows + inter).to(tl.int64) * stride_wn, rmask, 0, nb, nb, xw, xd, xs, BLOCK_N, KBS, 0,
-                     EMULATE)
+                     EMULATE, SHAPED=False)
     tl.store(h_ptr + pair.to(tl.int64) * stride_hm + rows, g * tl.sigmoid(g) * u, mask=rows < inter)
 
 
@@ -128,7 +129,7 @@ def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, 
         wt = tl.load(wts_ptr + pair).to(tl.float32)
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
         y += wt * _dot_q4_k_q8(row_ptr, rmask & (e >= 0), 0, nb, nb, hw_ptr + pair * nb * 64, hd_ptr + pair * nb * 8,
-                               hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE)
+                               hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
     tl.store(y_ptr + tok.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
