@@ -790,7 +790,8 @@ Q8_MIN_BYTES_M1 = 4 << 20
 #: 51.9 / 70.0 (fp32 decode), so Q5_K takes it at batch 1 as Q4_K does (from Q8_MIN_BYTES_M1: q_b/8 6.4 / 5.9).  Q8_0
 #: has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
-#: (block_n, kbs, programs per SM aimed at, num_warps) of the int8-activation kernel per type at batch 1, 2..4 and 5..8.
+#: (block_n, kbs, programs per SM aimed at, num_warps) of the int8-activation kernel per type at 2..4 and 5..8 rows
+#: (batch 1: ``_q8_row_tile``).
 #: Measured best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K at 2..4 rows: 64 rows per program
 #: read each activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32).
 #: Q6_K at 5..8 rows: 8 rows, kbs 4, 2 warps (session 15, same run, against the 64-row tile with 2 programs per SM it
@@ -801,10 +802,10 @@ Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4 took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).
 #: Batch 1, session 13, same run, 8 / 16 rows per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 /
 #: 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 / 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8
-#: batch 4 62.0 against 63.6).  Q6_K at 2..4 rows on weights of many rows: ``_Q8_MANY_ROWS_TILE`` instead.
-#: Batch 1 now takes ``_q8_row_tile`` instead.
-_Q8_TILE = {Q4_K: (None, (16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: (None, (16, 4, 2, 4), (16, 2, 2, 4)),
-            Q6_K: (None, (64, 2, 8, 4), (8, 4, 8, 2))}
+#: batch 4 62.0 against 63.6; session 22 replaced those batch-1 tiles).  Q6_K at 2..4 rows on weights of many rows:
+#: ``_Q8_MANY_ROWS_TILE`` instead.
+_Q8_TILE = {Q4_K: ((16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((16, 4, 2, 4), (16, 2, 2, 4)),
+            Q6_K: ((64, 2, 8, 4), (8, 4, 8, 2))}
 #: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where cdiv(N, block_n) row tiles alone give
 #: >= 2 programs per SM (so no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
 #: 64-row tile above, us): lm_head/8 88.4 (89.0 with the L2 prefetch it keeps there) / 107.9 (that shape's tuned
@@ -831,9 +832,10 @@ def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
     lm_head/8 19360 x 6144 (36.7; without ``ahead``) 27.97 / 27.97 / 29.93; Q5_K 6.18 / 6.18 / 6.18, 6.29 / 6.29 /
     6.58, 33.22 / 33.22 / 37.32.  With ``ahead`` on lm_head/8: Q4_K 29.05, Q5_K 35.38; without it on gate/up: 7.09,
     7.13.  The same configuration measured twice in that run differed by up to 7 %."""
-    kbs = 8 if nb >= 16 else 4
-    kbs = min(kbs, _pow2_at_most(nb))
+    kbs = min(8 if nb >= 16 else 4, _pow2_at_most(nb))
     return 4, kbs, 4 if kbs == 8 else 2, triton.cdiv(N, 4) < Q8_M1_AHEAD_PER_SM * sms
+
+
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
 #: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
@@ -872,7 +874,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         if M == 1:
             (block_n, kbs, num_warps, ahead), per_sm = _q8_row_tile(N, nb, sms), 8
         else:
-            block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][1 if M <= 4 else 2]
+            block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][0 if M <= 4 else 1]
             many = _Q8_MANY_ROWS_TILE.get(qtype) if M <= 4 else None
             if many and triton.cdiv(N, many[0]) >= 2 * sms:
                 block_n, kbs, num_warps = many
