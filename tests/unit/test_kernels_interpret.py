@@ -339,7 +339,9 @@ else:
                                                 (5, 9, 3, dict(block_n=16, kbs=4, split_k=1, block_m=4)),
                                                 (2, 12, 4, dict(block_n=4, kbs=1, split_k=4)),
                                                 (1, 11, 7, dict(block_n=8, kbs=1, split_k=2)),
-                                                (3, 10, 9, dict(block_n=8, kbs=2, split_k=1))], ids=str)
+                                                (3, 10, 9, dict(block_n=8, kbs=2, split_k=1)),
+                                                (1, 10, 17, dict(block_n=4, kbs=8, split_k=1)),  # batch 1's tiles
+                                                (1, 6, 9, dict(block_n=4, kbs=4, split_k=1, num_warps=2))], ids=str)
     @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
     def test_q8_loads_ahead_change_no_bit(qtype, M, N, blocks, cfg):
         """``ahead`` (each K step's loads issued one step ahead) only moves loads: bit-identical to the plain loop,

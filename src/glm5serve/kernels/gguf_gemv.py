@@ -822,8 +822,8 @@ Q8_M1_AHEAD_PER_SM = 16
 def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
     """(block_n, kbs, num_warps, ahead) of the int8-activation kernel at batch 1 (Q4_K and Q5_K, the one-row step
     ``gguf_gemv_q8._dot_q4_k_q8``): 4 weight rows per program, K steps of 8 super-blocks on 4 warps (4 on 2 warps
-    where a row holds fewer than 16, so that it still takes two steps), loads one step ahead while the row tiles
-    give fewer than ``Q8_M1_AHEAD_PER_SM`` programs per SM.
+    where a row holds fewer than 16, so that GLM-5's 8-block rows take two steps; fewer than 4 where the row is
+    shorter), loads one step ahead while the row tiles give fewer than ``Q8_M1_AHEAD_PER_SM`` programs per SM.
 
     Measured on an H200, session 22, one run, after the one-row step's loads were shaped like the code words (17
     tiles: 4/8/16 rows, kbs 4/8, 2/4 warps, with and without ``ahead``, split-K to 8 programs per SM), us, best /
@@ -838,9 +838,9 @@ def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
 
 #: loads one step ahead (``GemvConfig.ahead``): Q4_K at 2..4 rows.  H200, session 13, same run, with / without, us:
 #: Q4_K batch 4 gate/up 10.5 / 11.1, down 9.2 / 9.6, lm_head/8 58.9 / 62.0, q_b/8 6.6 / 6.6, expert down/8 3.7 /
-#: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at batch 1 (gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6: a
-#: tie), nor at 8 rows (gate/up 14.1 / 12.8; 15.4 at the production tile, 231 registers), nor for Q5_K (batch 4
-#: gate/up 12.7 / 12.3, down 11.7 / 11.0).
+#: 3.8; batch 2 gate/up 9.2 / 9.4 (best tile of each).  Not at 8 rows (gate/up 14.1 / 12.8; 15.4 at the production
+#: tile, 231 registers), nor for Q5_K (batch 4 gate/up 12.7 / 12.3, down 11.7 / 11.0).  Batch 1 has its own rule
+#: (``_q8_row_tile``; with the 8-row tile of session 13 it was a tie: gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6).
 Q8_AHEAD = frozenset({Q4_K})
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8

@@ -8,8 +8,8 @@ Why: the fp32 decode of ``gguf_gemv`` spends ~6-11 SASS instructions per weight,
 H200 below half of its memory bandwidth, and its tensor-core path for batches 2-16 pays a layout conversion per
 weight tile.  Here the codes stay packed: ``q & 0x0F0F0F0F`` is four Q4_K codes as bytes, and one ``dp4a``
 multiplies them with four int8 activations and adds the products (exact integer arithmetic), so the K loop costs
-~3 SASS instructions per weight (2.7 measured for sm_90 with 16 weight rows per program, 3.3 with the 8 of batch 1,
-``tests/unit/test_kernels_compile.py``).  The float work
+~3 SASS instructions per weight (2.7 measured for sm_90 with 16 weight rows per program, 3.3 with batch 1's 4 rows
+and loads one step ahead, ``tests/unit/test_kernels_compile.py``).  The float work
 is per (row, 16- or 32-weight sub-block).  From batch 2 a program takes several activation rows (``block_m``, as
 MMVQ's ``ncols_y``) and unpacks each weight word once for all of them; a further row then costs ~0.5 instructions
 per weight (two dp4a per word), so batch 4 runs in about the time of batch 1.5 (H200, session 7: expert gate/up
@@ -160,7 +160,8 @@ def _kquant_words(row_ptr, rmask, b0, end, KBS: tl.constexpr, FIVE: tl.constexpr
 @triton.jit
 def _step_q4_k_q8(acc, row_ptr, rmask, b0, nb, xw_ptr, xd_ptr, xs_ptr, KBS: tl.constexpr, EMULATE: tl.constexpr,
                   FIVE: tl.constexpr = False, SHAPED: tl.constexpr = True):
-    """KBS Q4_K super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N, 4 KBS] fp32.
+    """KBS Q4_K (FIVE: Q5_K) super-blocks of BLOCK_N rows against one row of int8 activations; acc: [BLOCK_N,
+    4 KBS] fp32; SHAPED as ``_load_q4_k_q8``.
 
     Word layout as ``gguf_gemv._step_kquant45``: qs word 8j+t holds, in byte b, element 64j + 4t + b (low
     nibble, sub-block 2j) and 64j + 32 + 4t + b (high nibble, sub-block 2j+1), so the codes of a word line up with
