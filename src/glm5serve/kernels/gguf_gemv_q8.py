@@ -463,8 +463,8 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
     int32 words (Q6_K: rows of an even number of blocks); nb blocks per row.  Q4_K and Q5_K at BLOCK_M = 1 take the
     one-row step (faster there: H200 Q4_K lm_head/8 37.4 against 46.5 us for the rows step at one row; session 22,
     same run, Q5_K at pick_config's tiles, us: expert gate/up 6.15 against 7.81, down 6.63 against 8.07, lm_head/8
-    37.0 against 50.7).  AHEAD (Q4_K,
-    Q5_K): each step's loads are issued one step ahead, into registers.  PDL: ``gguf_gemv._pdl_prologue``."""
+    37.0 against 50.7).  AHEAD (Q4_K, Q5_K): each step's loads are issued one step ahead, into registers.  PDL:
+    ``gguf_gemv._pdl_prologue``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
