@@ -613,8 +613,12 @@ def _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid
         tl.debug_barrier()  # all threads' partial stores precede the (single-thread) release
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
             y = tl.zeros(y.shape, dtype=tl.float32)
-            for k in range(SPLIT_K):  # fixed order: the sum does not depend on arrival order
-                y += tl.load(part_ptr + k * m_pad * N + tile, mask=ymask, other=0.0, cache_modifier=".cg")
+            # fixed order, not arrival order; four partials per iteration, so that their loads overlap
+            R: tl.constexpr = min(4, SPLIT_K)
+            for k0 in range(0, SPLIT_K, R):
+                for i in tl.static_range(R):
+                    y += tl.load(part_ptr + (k0 + i) * m_pad * N + tile, mask=ymask & (k0 + i < SPLIT_K), other=0.0,
+                                 cache_modifier=".cg")
             tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=ymask)
             tl.atomic_xchg(counter, 0, sem="relaxed")
