@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 from glm5serve.kernels.gguf_moe import per_pair
-from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _q8_applies
+from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _mma_tile, _q8_applies
 from glm5serve.kernels.gguf_split import gguf_linear_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import (
     dequant,
@@ -93,7 +93,7 @@ def linear_cases(draw):
     cfg = draw(st.one_of(st.none(), st.builds(
         GemvConfig, block_n=st.sampled_from((4, 8, 16, 32)), kbs=st.sampled_from((1, 2, 4)),
         split_k=st.integers(1, 5), num_warps=st.sampled_from((2, 4, 8)), use_dot=st.booleans(),
-        block_m=st.sampled_from((16, 32, 64)), q8=st.booleans())))
+        block_m=st.sampled_from((16, 32, 64)), q8=st.booleans(), mma=st.booleans(), stages=st.sampled_from((1, 2)))))
     if cfg is not None and cfg.use_dot:  # the MMA needs 16 along N and along K per slice
         cfg = GemvConfig(block_n=max(cfg.block_n, 16), kbs=max(cfg.kbs, 2), split_k=cfg.split_k,
                          num_warps=cfg.num_warps, use_dot=True, block_m=cfg.block_m)
@@ -108,20 +108,27 @@ def test_gemv_matches_gguf_py(case):
     y = gguf_linear(x, w, qtype, N, cfg)
     assert y.shape == (M, N) and y.dtype == dtype
     what = f"{qtype.name} M={M} N={N} K={K} {dtype} {cfg}"
-    if _takes_q8(qtype, M, N, K, dtype, cfg):
-        _assert_close(y, ref, bound, 2.0 ** -16, what + " q8", extra=q8_activation_bound(x, w, qtype))
+    block = _int8_block(qtype, M, N, K, dtype, cfg)
+    if block:
+        _assert_close(y, ref, bound, 2.0 ** -16, what + f" int8/{block}",
+                      extra=q8_activation_bound(x, w, qtype, block=block))
     else:
         _assert_close(y, ref, bound, _eps_sum(M, dtype, cfg), what)
 
 
-def _takes_q8(qtype, M, N, K, dtype, cfg) -> bool:
-    """Whether gguf_linear runs the int8-activation path (``gguf_gemv_q8``) for this call."""
+def _int8_block(qtype, M, N, K, dtype, cfg) -> int:
+    """The activation block gguf_linear rounds x to int8 in for this call: 256 on the tensor-core int8 path
+    (``gguf_mma``), 32 on the dp4a path (``gguf_gemv_q8``), 0 where x is not rounded."""
     if cfg is None:
         if M > 16:
-            return False
+            return 0
         cfg = pick_config(qtype, M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, dtype,
                           _device_info(torch.device(DEV))[1])
-    return cfg.q8 and _q8_applies(qtype, K // BLOCK_SIZES[int(qtype)][0]) and dtype != torch.float32
+    if dtype == torch.float32:
+        return 0
+    if cfg.mma and qtype in (Q.Q4_K, Q.Q5_K) and cfg.block_n >= 16:
+        return 256
+    return 32 if cfg.q8 and _q8_applies(qtype, K // BLOCK_SIZES[int(qtype)][0]) else 0
 
 
 GLM5_SHAPES = {  # (N, K) per GEMV, whole experts (expert parallelism) and TP=8 slices
@@ -146,9 +153,11 @@ def test_gemv_glm5_shapes_production_config(qtype, shape, M):
     W = dequantize(w, qtype, dtype=torch.float32).double()
     ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
     y = gguf_linear(x, w, qtype, N)
-    if _takes_q8(qtype, M, N, K, x.dtype, None):  # activations rounded to int8 blocks: their bound + fp32 sums
-        q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double()).cpu()
-        _assert_close(y, ref, bound, 2.0 ** -16, f"{qtype.name} {shape} M={M} q8", extra=q8)
+    block = _int8_block(qtype, M, N, K, x.dtype, None)
+    if block:  # activations rounded to int8 blocks: their bound + fp32 sums
+        q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double(),
+                                 block=block).cpu()
+        _assert_close(y, ref, bound, 2.0 ** -16, f"{qtype.name} {shape} M={M} int8/{block}", extra=q8)
     else:
         _assert_close(y, ref, bound, _eps_sum(M, torch.bfloat16, None), f"{qtype.name} {shape} M={M}")
 
@@ -229,6 +238,31 @@ def test_split_rows_dp4a_equals_its_emulation_and_graphs_replay(qtype, M):
     static_x.copy_(fresh)
     g.replay()
     assert torch.equal(out, gguf_linear(fresh, s, stype, N))
+
+
+@pytest.mark.parametrize("M", (3, 8, 9, 16))
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
+def test_mma_nibbles_equal_their_emulation_and_graphs_replay(qtype, M):
+    """The tensor-core int8 GEMM's packed nibble/qh unpacking (PTX, four codes per instruction) and its per-byte
+    emulation (the interpreter tests') give bit-identical outputs on the GPU, with and without software pipelining
+    and split-K (production tile and a drawn one), and a CUDA-graph replay equals the eager call on fresh inputs."""
+    from glm5serve.kernels.gguf_mma import gguf_linear_mma
+
+    N, K = 301, 12 * 256
+    x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=140 + M)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for block_n, num_warps, split_k, stages in (_mma_tile(M, N, K // 256, sms), (32, 2, 5, 2), (64, 4, 1, 1)):
+        kw = dict(block_n=block_n, split_k=split_k, num_warps=num_warps, num_stages=stages)
+        y = gguf_linear_mma(x, w, qtype, N, **kw)
+        assert torch.equal(y, gguf_linear_mma(x, w, qtype, N, asm=False, **kw)), kw
+        assert torch.equal(y, gguf_linear_mma(x, w, qtype, N, **{**kw, "num_stages": 3 - stages})), kw
+    cfg = GemvConfig(block_n=32, split_k=5, num_warps=2, mma=True, block_m=8 if M <= 8 else 16, stages=2)
+    static_x = x.clone()
+    g, out = capture(lambda: gguf_linear(static_x, w, qtype, N, cfg))
+    fresh = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16).to(DEV)
+    static_x.copy_(fresh)
+    g.replay()
+    assert torch.equal(out, gguf_linear(fresh, w, qtype, N, cfg))
 
 
 @st.composite

@@ -67,8 +67,8 @@ def test_prefetch_only_on_large_weights_and_never_in_the_interpreter(qtype, M, N
     K = blocks * qk
     assert pick_config(qtype, M, N, K, 1, torch.bfloat16, "cpu").prefetch == 0
     gpu = pick_config(qtype, M, N, K, 132, torch.bfloat16, "")
-    if gpu.q8:
-        return  # the int8-activation path has its own rule (below)
+    if gpu.q8 or gpu.mma:
+        return  # the int8-activation paths have their own rules (below)
     assert (gpu.prefetch > 0) == (N * blocks * qb >= PREFETCH_MIN_BYTES)
     # prefetch is the only difference the device name makes (no table for either name)
     assert dataclasses.replace(gpu, prefetch=0) == pick_config(qtype, M, N, K, 132, torch.bfloat16, "cpu")
@@ -111,7 +111,8 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
     weight_bytes = N * blocks * qb
     want = (qtype in (Q4_K, Q5_K, Q6_K) and (qtype != Q6_K or blocks % 2 == 0) and dtype != torch.float32
-            and (1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)))
+            and (1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1))
+            and not _wants_mma(qtype, M, weight_bytes, dtype, blocks))
     assert gpu.q8 == want
     assert not pick_config(qtype, M, N, K, 1, dtype, "cpu").q8
     if gpu.q8:
@@ -129,6 +130,48 @@ def test_int8_activations_only_for_k_quant_decode_batches_on_a_gpu(qtype, M, N, 
         assert 1 <= gpu.split_k * gpu.kbs <= blocks + gpu.kbs - 1 and (qtype != Q6_K or gpu.kbs % 2 == 0)
         if -(-N // gpu.block_n) >= 2 * 132:  # enough row tiles: no split-K
             assert gpu.split_k == 1, gpu
+
+
+def _wants_mma(qtype, M, weight_bytes, dtype, blocks) -> bool:
+    """The tensor-core int8 rule, restated: Q4_K/Q5_K, bf16/fp16, 5..16 rows, or 3..4 rows on 32 MB (Q4_K) / 8 MB
+    (Q5_K) of weight in rows of 16 super-blocks or more."""
+    big = weight_bytes >= {Q4_K: 32 << 20, Q5_K: 8 << 20}.get(qtype, 1 << 62) and blocks >= 16
+    return qtype in (Q4_K, Q5_K) and dtype != torch.float32 and (5 <= M <= 16 or 3 <= M <= 4 and big)
+
+
+@given(qtype=st.sampled_from(sorted(SUPPORTED_QTYPES)), M=st.integers(1, 256), N=st.integers(1, 40000),
+       blocks=st.integers(1, 64), dtype=st.sampled_from((torch.bfloat16, torch.float16, torch.float32)))
+@example(qtype=Q4_K, M=16, N=2048, blocks=24, dtype=torch.bfloat16).via("expert gate/up at 16 rows: 64-row tiles")
+@example(qtype=Q4_K, M=8, N=2048, blocks=8, dtype=torch.bfloat16).via("q_b/8 at 8 rows: 16-row tiles on 1 warp")
+@example(qtype=Q4_K, M=16, N=2048, blocks=8, dtype=torch.bfloat16).via("q_b/8 at 16 rows: 32-row tiles")
+@example(qtype=Q4_K, M=4, N=19360, blocks=24, dtype=torch.bfloat16).via("Q4_K lm_head/8 at 4 rows (67 MB)")
+@example(qtype=Q4_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q4_K expert gate/up at 4 rows: dp4a")
+@example(qtype=Q5_K, M=3, N=6144, blocks=8, dtype=torch.bfloat16).via("Q5_K expert down at 3 rows: dp4a (8 blocks)")
+@example(qtype=Q5_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q5_K expert gate/up at 4 rows (8.7 MB)")
+@example(qtype=Q5_K, M=2, N=19360, blocks=24, dtype=torch.bfloat16).via("Q5_K lm_head/8 at 2 rows: dp4a")
+@example(qtype=Q4_K, M=17, N=2048, blocks=24, dtype=torch.bfloat16).via("past the decode kernels")
+def test_int8_tensor_cores_for_k_quant_batches_of_3_to_16(qtype, M, N, blocks, dtype):
+    """mma (``gguf_mma``): Q4_K and Q5_K, bf16/fp16 activations, on a GPU only, at 5..16 rows and at 3..4 on large
+    weights; 8 activation rows per program up to 8, else 16; 64-row tiles on 2 warps, two pipeline stages, split-K to
+    ~4 programs per SM, unless such tiles with one super-block per program give fewer than 4 programs per SM: then
+    16 rows on 1 warp, one stage and ~8 programs per SM up to 8 rows, 32 rows on 2 warps above."""
+    qk, qb = BLOCK_SIZES[qtype]
+    K = blocks * qk
+    gpu = pick_config(qtype, M, N, K, 132, dtype, "")
+    want = _wants_mma(qtype, M, N * blocks * qb, dtype, blocks)
+    assert gpu.mma == want and not gpu.q8 if want else not gpu.mma
+    assert not pick_config(qtype, M, N, K, 132, dtype, "cpu").mma
+    if want:
+        small = -(-N // 64) * blocks < 4 * 132
+        assert (gpu.block_n, gpu.num_warps, gpu.stages) == ((16, 1, 1) if small and M <= 8 else (32, 2, 2) if small
+                                                            else (64, 2, 2))
+        assert gpu.block_m == (8 if M <= 8 else 16) and gpu.prefetch == 0
+        programs = -(-N // gpu.block_n) * gpu.split_k
+        per_sm = 8 if gpu.block_n == 16 else 4
+        assert 1 <= gpu.split_k <= blocks
+        # the fewest splits that reach per_sm programs per SM, evened out (no split left empty)
+        assert gpu.split_k == blocks or programs >= per_sm * 132 or -(-blocks // gpu.split_k) == -(-blocks // (
+            gpu.split_k + 1)), gpu
 
 
 def test_q6_k_tiles_of_8_rows_follow_the_sm_count():

@@ -86,8 +86,13 @@ def _gemv_sig(qtype: int) -> dict:
 
 
 def _production_config(qtype: int, use_dot: bool) -> g.GemvConfig:
-    """pick_config's tile for a 2048 x 6144 weight: at 16 bf16 rows (tensor cores), or at 1 fp32 row (the FMA path,
-    which bf16 Q4_K and Q5_K at batch 1 leave to the int8-activation kernel for weights this large)."""
+    """pick_config's tile for a 2048 x 6144 weight: at 16 bf16 rows (tensor cores; Q4_K and Q5_K take the int8
+    tensor-core kernel there, so their bf16 tile is the one an explicit ``use_dot`` config gets), or at 1 fp32 row
+    (the FMA path, which bf16 Q4_K and Q5_K at batch 1 leave to the int8-activation kernel for weights this
+    large)."""
+    if use_dot and qtype in g.MMA_MIN_BYTES_M4:
+        block_n, kbs = g._DOT_TILE[qtype]
+        return g.GemvConfig(block_n=block_n, kbs=kbs, num_warps=4, use_dot=True)
     return g.pick_config(qtype, 16 if use_dot else 1, 2048, 6144, 132, torch.bfloat16 if use_dot else torch.float32)
 
 
@@ -233,14 +238,15 @@ def test_tuned_configs_compile_without_spills(key):
 #: one-row step with the 4-row tile), 4.3, 5.4 and, with kbs 2
 #: (kbs 4: 7.3 with a stack frame), 9.5 at 8 rows; Q6_K (64 rows per program) 3.4, 4.4, and at 8 rows (8 rows per
 #: program, kbs 4, 2 warps, 3-way split-K) 7.5 (7.2 with the 64-row tile it replaced).  Budgets: ~+15 %
-#: (Q4_K's: +15-30 %).
-Q8_BUDGET = {(g.Q4_K, 1): 3.8, (g.Q4_K, 2): 4.0, (g.Q4_K, 4): 5.5, (g.Q4_K, 8): 7.5,
-             (g.Q5_K, 1): 4.6, (g.Q5_K, 2): 4.9, (g.Q5_K, 4): 6.5, (g.Q5_K, 8): 10.8,
-             (g.Q6_K, 2): 3.9, (g.Q6_K, 4): 5.1, (g.Q6_K, 8): 8.3}
+#: (Q4_K's: +15-30 %).  Since session 23 Q4_K and Q5_K take the int8 tensor-core kernel at 5..16 rows (and Q5_K at
+#: 3..4 rows on weights of 8 MB or more in long rows: its batch-4 case here is a 512 x 6144 weight), MMA_BUDGET
+#: below.
+Q8_BUDGET = {(g.Q4_K, 1): 3.8, (g.Q4_K, 2): 4.0, (g.Q4_K, 4): 5.5, (g.Q5_K, 1): 4.6, (g.Q5_K, 2): 4.9,
+             (g.Q5_K, 4): 6.5, (g.Q6_K, 2): 3.9, (g.Q6_K, 4): 5.1, (g.Q6_K, 8): 8.3}
 #: the same for Q6_K's tile of 8 rows, kbs 4 and 2 warps at 2..4 rows where N / 8 fills the GPU (lm_head/8,
 #: 19360 x 6144; no split-K, L2 prefetch): 4.0 and 5.4 measured, 80 registers
 Q8_MANY_ROWS_BUDGET = {(g.Q6_K, 2): 4.3, (g.Q6_K, 4): 5.8}
-Q8_CASES = ([(q, m, 2048) for q, m in sorted(Q8_BUDGET)]
+Q8_CASES = ([(q, m, 512 if (q, m) == (g.Q5_K, 4) else 2048) for q, m in sorted(Q8_BUDGET)]
             + [(q, m, 19360) for q, m in sorted(Q8_MANY_ROWS_BUDGET)])
 
 
@@ -263,7 +269,7 @@ def test_q8_kernel_uses_dp4a_within_budget(qtype, M, N):
     share a program, and the budgets above (the fp32 decode needs 6.3-11 per weight and row, and its tensor-core
     path ~8-17 per weight for 16 rows)."""
     cfg = g.pick_config(qtype, M, N, 6144, 132)
-    many = N != 2048
+    many = N == 19360
     assert cfg.q8 and cfg.block_m == M and cfg.num_warps == (2 if many or (qtype == g.Q6_K and M > 4) else 4), cfg
     split_k, prefetch = (cfg.split_k, cfg.prefetch) if many else (4, 0)  # many: the production launch (no split-K)
     sass, usage = _sass(_q8_kernel(qtype, cfg.block_m, cfg.block_n, cfg.kbs, split_k, prefetch, cfg.ahead,
@@ -281,6 +287,44 @@ def test_q8_kernel_uses_dp4a_within_budget(qtype, M, N):
         # the loop keeps only the accumulator's conversion (Triton 3.8: 4 barriers; 12 for Q4_K and 20-24 for Q5_K
         # with the activations broadcast over the rows)
         assert ops["BAR.SYNC.DEFER_BLOCKING"] <= 4, ops.most_common(12)
+
+
+#: max SASS instructions per weight in the K loop of the int8 tensor-core GEMM (``gguf_mma``) at its production tiles:
+#: measured (Triton 3.8) Q4_K 2.61 (64 rows, 8 activation rows) - 4.62 (32 rows, 16), Q5_K 3.24 - 4.90, plus ~15 %
+#: (the dp4a kernel needs 6.2 per weight at 8 rows, the bf16 tensor-core path ~8 at 16)
+MMA_BUDGET = {g.Q4_K: 5.3, g.Q5_K: 5.6}
+MMA_CASES = [(q, m, n, k) for q in (g.Q4_K, g.Q5_K) for m, n, k in ((4, 19360, 6144), (8, 2048, 6144), (8, 2048, 2048),
+                                                                      (16, 2048, 6144), (16, 2048, 2048))]
+
+
+@pytest.mark.parametrize("qtype,M,N,K", MMA_CASES, ids=[f"{g._NAMES[q]}-M{m}-{n}x{k}" for q, m, n, k in MMA_CASES])
+def test_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, M, N, K):
+    """The int8 tensor-core GEMM at pick_config's launch (tile, split-K, pipelining, PDL): s8 x s8 MMAs in the K loop,
+    one per 16 x 8 x 32 product, no spills, and MMA_BUDGET instructions per weight at most."""
+    import triton
+
+    from glm5serve.kernels import gguf_mma
+
+    cfg = g.pick_config(qtype, M, N, K, 132)
+    assert cfg.mma, cfg
+    kernel = gguf_mma._gemm_mma_kernel
+    sig = dict(xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*fp32", w8_ptr="*i8", w32_ptr="*i32", y_ptr="*bf16",
+               part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
+               stride_wn="i32", stride_ym="i32")
+    const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=1)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("xq_ptr", "w8_ptr", "w32_ptr",
+                                                                                "y_ptr", "stride_wn")}
+    src = ASTSource(kernel, {n: ("constexpr" if n in const else sig[n]) for n in kernel.arg_names}, const, attrs)
+    sass, usage = _sass(triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.stages)))
+    ops = collections.Counter(_loop_body(sass))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    # one m16n8k32 IMMA per 16 weight rows, 8 activation rows and 32 K per warp (or warpgroup MMAs)
+    assert ops["IMMA.16832.S8.S8.SAT"] == cfg.block_n * cfg.block_m * 256 // (16 * 8 * 32 * cfg.num_warps) or any(
+        o.startswith("IGMMA") for o in ops), ops.most_common(12)
+    weights = cfg.block_n * 256 / (32 * cfg.num_warps)  # per thread and K step (one super-block)
+    per_weight = sum(ops.values()) / weights
+    assert per_weight <= MMA_BUDGET[qtype], (per_weight, ops.most_common(10))
 
 
 def test_moe_q8_kernels_use_dp4a_without_spills():
@@ -392,8 +436,9 @@ def _pdl_kernels(pdl: int):
     const = dict(QTYPE=g.Q4_K, BLOCK_M=1, BLOCK_N=fma.block_n, KBS=fma.kbs, G=G, T=T, USE_DOT=False, SPLIT_K=4, PDL=pdl)
     out = [("fma Q4_K", _compile(g._gemv_kernel, _gemv_sig(g.Q4_K), const, ("x_ptr", "w_ptr", "y_ptr", "stride_wn"),
                                  fma.num_warps))]
-    for qtype in (g.Q4_K, g.Q6_K):  # the tensor cores, with the in-loop L2 prefetch of large weights
+    for qtype in (g.Q6_K, g.Q8_0):  # the tensor cores, with the in-loop L2 prefetch of large weights
         dot = g.pick_config(qtype, 16, 19360, 6144, 132)
+        assert dot.use_dot and dot.prefetch, dot
         G, T = g.tile_shape(qtype, dot.kbs)
         out.append((f"dot {g._NAMES[qtype]}", _compile(
             g._gemv_kernel, _gemv_sig(qtype), dict(QTYPE=qtype, BLOCK_M=16, BLOCK_N=dot.block_n, KBS=dot.kbs, G=G, T=T,
@@ -403,12 +448,23 @@ def _pdl_kernels(pdl: int):
                  part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
                  stride_wn="i32", stride_ym="i32")
     for qtype, M in ((g.Q4_K, 1), (g.Q5_K, 4), (g.Q6_K, 4)):
-        c = g.pick_config(qtype, M, 2048, 6144, 132)
+        c = g.pick_config(qtype, M, 512 if qtype == g.Q5_K else 2048, 6144, 132)  # Q5_K's 2048 rows: gguf_mma
+        assert c.q8, c
         out.append((f"q8 {g._NAMES[qtype]} M{M}", _compile(
             q8._gemv_q8_kernel, q8sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs, SPLIT_K=3,
                                             PREFETCH=0, EMULATE=False, AHEAD=c.ahead, PDL=pdl),
             ("xw_ptr", "w_ptr", "y_ptr", "stride_wn"), c.num_warps)))
     out += [(f"split {g._NAMES[q]} M{m}", _split_kernel(q, m, pdl)) for q in sorted(SPLIT_BUDGET) for m in (1, 4)]
+    mma = importlib.import_module("glm5serve.kernels.gguf_mma")
+    msig = dict(xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*fp32", w8_ptr="*i8", w32_ptr="*i32", y_ptr="*bf16",
+                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
+                stride_wn="i32", stride_ym="i32")
+    for qtype, M in ((g.Q4_K, 16), (g.Q5_K, 8)):
+        c = g.pick_config(qtype, M, 2048, 6144, 132)
+        out.append((f"mma {g._NAMES[qtype]} M{M}", _compile(
+            mma._gemm_mma_kernel, msig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, SPLIT_K=c.split_k,
+                                             EMULATE=False, PDL=pdl),
+            ("xq_ptr", "w8_ptr", "w32_ptr", "y_ptr", "stride_wn"), c.num_warps)))
     return out
 
 

@@ -93,10 +93,13 @@ else:
     @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
     def test_gemv_tensor_core_path(qtype, dtype):
-        """M = 9 takes the tl.dot path (x padded to 16 rows) on any device (past the int8 path's batches, Q8_MAX_M);
-        weights are rounded to x's dtype before the dot."""
+        """M = 9 takes the tl.dot path (x padded to 16 rows) past the int8 path's batches (Q8_MAX_M), on a GPU for
+        every type but Q4_K and Q5_K (the int8 tensor cores, ``gguf_mma``) and for all of them under the
+        interpreter; weights are rounded to x's dtype before the dot."""
         x, w, ref, bound = _case(qtype, M=9, N=17, K=_k(qtype, 2), seed=20 + int(qtype), dtype=dtype)
-        assert pick_config(qtype, 9, 17, x.shape[1], dtype=dtype).use_dot
+        assert pick_config(qtype, 9, 17, x.shape[1], dtype=dtype, device_name="cpu").use_dot
+        gpu = pick_config(qtype, 9, 17, x.shape[1], dtype=dtype)
+        assert (gpu.mma, gpu.use_dot) == ((True, False) if qtype in (Q.Q4_K, Q.Q5_K) else (False, True))
         eps = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
         _check(gguf_linear(x, w, qtype, 17), ref, bound, rel_out=eps, rel_sum=eps, what="dot")
 
@@ -415,6 +418,74 @@ else:
             gguf_linear_q8(torch.zeros(1, 512), torch.zeros(4, 420, dtype=torch.uint8), Q.Q6_K, 4, kbs=1)
         with pytest.raises(ValueError, match="does not hold 5 rows"):
             gguf_linear_q8(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
+
+    def test_q8_k_activation_blocks():
+        """quantize_activations(scale_block=256): one d per 256 values (llama.cpp's Q8_K), |x - d q| <= d / 2, the
+        block maximum maps to +-127, the codes are round(x / d) of that d, the sums still exact per 32; K not a
+        multiple of 256 is refused."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+        rng = np.random.default_rng(71)
+        x = torch.from_numpy(rng.standard_normal((2, 768)).astype(np.float32) * rng.uniform(0.1, 9, 768))
+        x[1, 256:512] = 0
+        xq, xd, xs = quantize_activations(x.to(torch.bfloat16), scale_block=256)
+        assert xq.shape == (2, 768) and xd.shape == (2, 3) and xs.shape == (2, 24)
+        xb = x.to(torch.bfloat16).double().view(2, 3, 256)
+        q = xq.double().view(2, 3, 256)
+        assert torch.allclose(xd.double(), xb.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+        assert ((xb - q * xd.double()[..., None]).abs() <= xd.double()[..., None] / 2 * (1 + 1e-5)).all()
+        assert (q.abs().amax(-1)[xd > 0] == 127).all() and xd[1, 1] == 0 and not xq[1, 256:512].any()
+        assert torch.allclose(xs.double(), xb.view(2, 24, 32).sum(-1), rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match="scale_block=256"):
+            quantize_activations(x[:, :320], scale_block=256)
+
+    @pytest.mark.parametrize("M,N,blocks,cfg", [(2, 19, 3, dict(block_n=16)), (9, 40, 2, dict(block_n=32, split_k=2)),
+                                                (5, 33, 5, dict(block_n=16, split_k=3, block_m=8)),
+                                                (17, 16, 1, dict(block_n=16, block_m=16)),
+                                                (3, 70, 2, dict(block_n=64, split_k=2, num_stages=2))], ids=str)
+    @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
+    def test_mma_path_within_its_rounding_bound(qtype, M, N, blocks, cfg):
+        """Q4_K / Q5_K codes x int8 activations on the tensor cores (``gguf_mma``, nibble masks emulated per byte):
+        |y - x @ W.T| <= the rounding bound of 256-value activation blocks (``q8_activation_bound(block=256)``) +
+        output rounding + fp32 sums, far above zero; and, tight, within fp32 rounding of the float64 value of what
+        the kernel computes from its own activation codes (scaled codes meet the rounded activations, the min term
+        the exact ones), so one wrong nibble, qh bit, scale or sub-block offset fails.  Partial row tiles, split-K,
+        partial activation tiles; ``GemvConfig(mma=True)`` through gguf_linear is the same call."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+        from glm5serve.kernels.gguf_mma import gguf_linear_mma
+        from glm5serve.kernels.testing import _q8_part, q8_activation_bound
+
+        x, w, ref, bound = _case(qtype, M=M, N=N, K=_k(qtype, blocks), seed=60 + N, dtype=torch.bfloat16)
+        y = gguf_linear_mma(x, w, qtype, N, **cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        q8 = q8_activation_bound(x, w, qtype, block=256)
+        err = (y.double() - ref).abs()
+        assert (err <= 2.0 ** -7 * ref.abs() + q8 + FP32_EPS * bound).all(), (err / q8).max()
+        assert (q8 > 1e-3 * bound).all()
+        xq, xd, _ = quantize_activations(x, scale_block=256)
+        xr = (xq.double().view(M, -1, 256) * xd.double()[..., None]).view(M, -1)
+        W = dequant(w, qtype)
+        S = _q8_part(w, qtype)
+        sem = xr @ S.T + x.double() @ (W - S).T
+        scale = xr.abs() @ S.abs().T + x.double().abs() @ (W - S).abs().T
+        assert ((y.double() - sem).abs() <= 2.0 ** -7 * sem.abs() + FP32_EPS * scale).all()
+        config = GemvConfig(block_n=cfg["block_n"], split_k=cfg.get("split_k", 1), mma=True,
+                            block_m=cfg.get("block_m", 8 if M <= 8 else 16), stages=cfg.get("num_stages", 1))
+        assert torch.equal(gguf_linear(x, w, qtype, N, config), y)
+
+    def test_mma_path_types_and_shapes_are_checked():
+        """The tensor-core int8 kernel takes Q4_K and Q5_K only, whole super-blocks, enough rows, block_m 8 or 16; an
+        ``mma`` config for another type runs that type's own path."""
+        from glm5serve.kernels.gguf_mma import gguf_linear_mma
+
+        with pytest.raises(ValueError, match="Q6_K has no tensor-core int8 kernel"):
+            gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 210, dtype=torch.uint8), Q.Q6_K, 4)
+        with pytest.raises(ValueError, match="does not hold 5 rows"):
+            gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
+        with pytest.raises(ValueError, match="block_m=4"):
+            gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 4, block_m=4)
+        x, w, ref, bound = _case(Q.Q8_0, M=3, N=5, K=_k(Q.Q8_0, 2), seed=61, dtype=torch.float32)
+        _check(gguf_linear(x, w, Q.Q8_0, 5, GemvConfig(mma=True)), ref, bound, what="Q8_0 with mma=True")
 
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)

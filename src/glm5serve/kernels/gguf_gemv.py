@@ -30,6 +30,10 @@ Two later additions: for Q4_K at batches 1-8 and Q5_K/Q6_K at batches 2-8 (``Gem
 (``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K
 step first asks L2 for the blocks one or two steps ahead (``GemvConfig.prefetch``).
 
+Session 23 added a third: for Q4_K and Q5_K at 5-16 rows (3-4 on large weights) the codes go to the int8 tensor
+cores as they are, with the activations rounded to int8 blocks of 256 (``gguf_mma``: 2-4x faster than the bf16
+tensor-core path at 16 rows, ~1.5x faster than dp4a at 8 for Q5_K).
+
 On sm_90 the GEMVs are launched with programmatic dependent launch (``PDL_MODE``): a GEMV's launch overlaps the end
 of the kernel before it (the int8 paths' activation quantizer lets it start at once), and it waits in
 ``griddepcontrol.wait`` before it reads anything (0.1-1 us per call, ``PDL_MODE``'s measurements).
@@ -88,7 +92,10 @@ class GemvConfig:
     ``q8`` (Q8_TYPES, bf16/fp16 x): activations quantized to int8 blocks and integer dot products, as llama.cpp's
     MMVQ (``gguf_gemv_q8``), with min(``block_m``, 8, the next power of two >= M) activation rows per program;
     ``use_dot`` unused.  ``ahead`` (with ``q8``, Q4_K and Q5_K, and split rows): each K step's loads are issued one
-    step ahead, into registers."""
+    step ahead, into registers.  ``mma`` (Q4_K and Q5_K, bf16/fp16 x): activations rounded to int8 blocks of 256
+    and the codes multiplied on the int8 tensor cores (``gguf_mma``; ignored for fp32 x or ``block_n < 16``), 8
+    activation rows per program for ``block_m`` <= 8, else 16, ``stages`` steps of Triton's software pipelining (1:
+    none); ``kbs`` unused (one super-block per step)."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -98,6 +105,8 @@ class GemvConfig:
     prefetch: int = 0
     q8: bool = False
     ahead: bool = False
+    mma: bool = False
+    stages: int = 1
 
     def __post_init__(self):
         # Triton block sizes and warp counts are powers of two; catch a bad value here, not in a kernel launch
@@ -107,6 +116,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig: {name}={v!r} is not a power of two")
         if type(self.split_k) is not int or self.split_k < 1 or type(self.prefetch) is not int or self.prefetch < 0:
             raise ValueError(f"GemvConfig: split_k={self.split_k!r} must be >= 1 and prefetch={self.prefetch!r} >= 0")
+        if type(self.stages) is not int or self.stages < 1:
+            raise ValueError(f"GemvConfig: stages={self.stages!r} must be an int >= 1")
 
 
 def tile_shape(qtype: int, kbs: int) -> tuple[int, int]:
@@ -794,8 +805,8 @@ Q8_MIN_BYTES_M1 = 4 << 20
 #: 51.9 / 70.0 (fp32 decode), so Q5_K takes it at batch 1 as Q4_K does (from Q8_MIN_BYTES_M1: q_b/8 6.4 / 5.9).  Q8_0
 #: has none (measured slower, ``gguf_gemv_q8``).
 Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
-#: (block_n, kbs, programs per SM aimed at, num_warps) of the int8-activation kernel per type at 2..4 and 5..8 rows
-#: (batch 1: ``_q8_row_tile``).
+#: (block_n, kbs, programs per SM aimed at, num_warps) of the int8-activation kernel per type at 2..4 and (Q6_K)
+#: 5..8 rows (batch 1: ``_q8_row_tile``; Q4_K and Q5_K take ``gguf_mma`` from 5 rows, ``_mma_applies``).
 #: Measured best of 16/32/64 rows, kbs 2/4, 2/8 programs per SM (session 11).  Q6_K at 2..4 rows: 64 rows per program
 #: read each activation word once for 4 rows of weights (SASS per weight at batch 4: 4.4 with 64 rows, 5.8 with 32).
 #: Q6_K at 5..8 rows: 8 rows, kbs 4, 2 warps (session 15, same run, against the 64-row tile with 2 programs per SM it
@@ -803,13 +814,13 @@ Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: lm_head/8 128.5 / 146.9 against 178.8 / 182.8, q_b/8 9.6 / 10.1 against 11.0 / 11.2, expert gate+up/8 9.1 / 9.4
 #: against 11.0 / 11.1 (the batch-8 sweep of that session found the same tile for gate/up and down; for lm_head/8 it
 #: found 64 rows with 4-way split-K and L2 prefetch, 125.5 us, which spills 8 bytes with Triton 3.8).  Q5_K at 5..8
-#: rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4 took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie overall).
+#: rows: kbs 4 takes a stack frame, kbs 2 none; kbs 2 / 4 took gate/up 17.9 / 20.8 us, down 16.7 / 13.5 (a tie
+#: overall; since session 23 those rows take ``gguf_mma``).
 #: Batch 1, session 13, same run, 8 / 16 rows per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 /
 #: 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 / 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8
 #: batch 4 62.0 against 63.6; session 22 replaced those batch-1 tiles).  Q6_K at 2..4 rows on weights of many rows:
 #: ``_Q8_MANY_ROWS_TILE`` instead.
-_Q8_TILE = {Q4_K: ((16, 4, 2, 4), (16, 4, 2, 4)), Q5_K: ((16, 4, 2, 4), (16, 2, 2, 4)),
-            Q6_K: ((64, 2, 8, 4), (8, 4, 8, 2))}
+_Q8_TILE = {Q4_K: ((16, 4, 2, 4),), Q5_K: ((16, 4, 2, 4),), Q6_K: ((64, 2, 8, 4), (8, 4, 8, 2))}
 #: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where cdiv(N, block_n) row tiles alone give
 #: >= 2 programs per SM (so no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
 #: 64-row tile above, us): lm_head/8 88.4 (89.0 with the L2 prefetch it keeps there) / 107.9 (that shape's tuned
@@ -847,6 +858,42 @@ def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
 #: (``_q8_row_tile``; with the 8-row tile of session 13 it was a tie: gate/up 7.7 / 7.6, lm_head/8 32.0 / 32.6).
 Q8_AHEAD = frozenset({Q4_K})
 
+#: the int8 tensor-core GEMM (``GemvConfig.mma``, ``gguf_mma``) for Q4_K and Q5_K at 5..16 rows, and at 3..4 rows on
+#: weights of at least MMA_MIN_BYTES_M4 whose rows hold MMA_MIN_BLOCKS_M4 super-blocks or more.  H200, session 23, same run, us, best of 8-24 launches of it / the path
+#: before (dp4a at 2..8 rows, bf16 tensor cores at 16) / bf16 cuBLAS, Q4_K: expert gate/up batch 4 9.96 / 9.79 /
+#: 11.79, 8 10.57 / 11.98 / 11.52, 16 12.30 / 22.76 / 11.85; expert down 9.23 / 8.17 / 9.49, 9.77 / 10.70 / 9.38,
+#: 11.54 / 22.52 / 9.44; lm_head/8 48.9 / 58.2 / 67.0, 52.3 / 81.6 / 66.4, 66.1 / 179.2 / 66.7; q_b/8 (batch 8, 16)
+#: 6.20 / 6.78, 7.47 / 10.84; expert down/8 3.46 / 3.32, 4.23 / 5.80.  Q5_K: expert gate/up 10.29 / 11.25, 10.83 /
+#: 15.96, 13.35 / 26.51; down 10.18 / 10.12, 10.62 / 15.13, 12.53 / 25.58; lm_head/8 48.2 / 74.6, 51.0 / 122.0,
+#: 71.4 / 200.5; at batch 4 q_b/8 6.43 / 6.21, expert down/8 3.26 / 3.11; at batch 2 (another run, no pipelining)
+#: the path before won on every shape but Q4_K lm_head/8 (47.0 / 48.0).  The benchmark run after it had Q5_K expert
+#: down at batch 4 on this kernel at 10.4 us (dp4a: 10.1 in session 22), hence the row length rule.
+MMA_MIN_BYTES_M4 = {Q4_K: 32 << 20, Q5_K: 8 << 20}
+MMA_MIN_BLOCKS_M4 = 16
+
+
+def _mma_applies(qtype: int, M: int, nb: int, weight_bytes: int) -> bool:
+    """Whether ``pick_config`` takes the int8 tensor-core GEMM (``gguf_mma``) for this type, batch, row length (nb
+    super-blocks) and weight size."""
+    if qtype not in MMA_MIN_BYTES_M4:
+        return False
+    return 5 <= M <= MAX_FAST_M or 3 <= M <= 4 and weight_bytes >= MMA_MIN_BYTES_M4[qtype] and nb >= MMA_MIN_BLOCKS_M4
+
+
+def _mma_tile(M: int, N: int, nb: int, sms: int) -> tuple[int, int, int, int]:
+    """(block_n, num_warps, split_k, stages) of the int8 tensor-core GEMM: 64 rows on 2 warps, software-pipelined
+    two deep, split-K to ~4 programs per SM; where such tiles with one super-block per program give fewer than 4
+    programs per SM, 16 rows on 1 warp, no pipelining, ~8 programs per SM at up to 8 rows (32 rows on 2 warps
+    above).  The session-23 sweep (H200, 16/32/64/128 rows, split-K to 2/4/8 programs per SM, 1 or 2 stages): best
+    / this tile, us, Q4_K batch 16: expert gate/up 12.30 / 12.30, down 11.54 / 11.54, q_b/8 7.47 / 7.69, expert
+    gate+up/8 8.19 / 8.52, down/8 4.23 / 4.29; batch 8: gate/up 10.57 / 10.60, down 9.77 / 10.44, q_b/8 6.20 / 6.20,
+    gate+up/8 6.43 / 6.43, down/8 3.46 / 3.46; lm_head/8 52.3 (128 rows, 4 warps, 6-way split) / 55.4."""
+    small = triton.cdiv(N, 64) * nb < 4 * sms
+    block_n, num_warps = (16, 1) if small and M <= 8 else (32, 2) if small else (64, 2)
+    split = min(nb, triton.cdiv((8 if block_n == 16 else 4) * sms, triton.cdiv(N, block_n)))
+    return block_n, num_warps, triton.cdiv(nb, triton.cdiv(nb, split)), 1 if block_n == 16 else 2
+
+
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
 #: (19360 x 6144, 67 MB Q4_K) 2 steps ahead on the tensor-core path took 128 us at 4 rows (152 without), 180 at 16
 #: (214); 1 step on the FMA path 50.0 us at 1 row (51.2); 7-13 MB weights were 1-5 % slower with it.
@@ -862,8 +909,9 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     Q4_K, Q5_K and Q6_K at batches 2..Q8_MAX_M and for Q4_K and Q5_K at batch 1 from Q8_MIN_BYTES_M1 of weight
     (``ahead`` for Q8_AHEAD types at 2..4 rows; at batch 1 ``_q8_row_tile``; Q6_K takes
     tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at 2..4 rows where cdiv(N, 8) row tiles give >= 2 programs
-    per SM).  Neither prefetch nor q8 for ``device_name``
-    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` only when asked)."""
+    per SM).  Q4_K and Q5_K take the int8 tensor-core GEMM instead (``mma``, ``_mma_applies``, ``_mma_tile``) at
+    5..16 rows, and at 3..4 rows on weights of MMA_MIN_BYTES_M4 with rows of MMA_MIN_BLOCKS_M4.  Neither prefetch nor q8 nor mma for ``device_name``
+    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` and ``mma`` only when asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
     # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)
@@ -873,6 +921,10 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
             return cfg
     nb = K // BLOCK_SIZES[qtype][0]
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
+    if _mma_applies(qtype, M, nb, weight_bytes) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu":
+        block_n, num_warps, split, stages = _mma_tile(M, N, nb, sms)
+        return GemvConfig(block_n=block_n, kbs=1, split_k=split, num_warps=num_warps, block_m=8 if M <= 8 else 16,
+                          mma=True, stages=stages)
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
             1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
         if M == 1:
@@ -1046,6 +1098,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     if config is None:
         sms, device_name = _device_info(x.device)
         config = pick_config(qtype, M, N, K, sms, x.dtype, device_name)
+    if config.mma and qtype in MMA_MIN_BYTES_M4 and x.dtype != torch.float32 and config.block_n >= 16:
+        from glm5serve.kernels.gguf_mma import gguf_linear_mma
+
+        return gguf_linear_mma(x, qweight, qtype, N, config.block_n, config.split_k, config.num_warps,
+                               8 if config.block_m <= 8 else 16, config.stages)
     if config.q8 and _q8_applies(qtype, nb) and x.dtype != torch.float32:
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 

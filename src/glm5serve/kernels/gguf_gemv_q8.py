@@ -89,9 +89,10 @@ MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 d
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOCKS: tl.constexpr,
-                       SUMS16: tl.constexpr = False, PDL: tl.constexpr = False):
+                       SUMS16: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
     xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b];
+    WHOLE: one d per chunk (the maximum over its BLOCKS * 32 values, at xd_ptr[m, chunk]; chunks must be whole);
     SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1].  PDL (launched
     with programmatic dependent launch): the GEMV behind may start at once; this kernel waits for the one before."""
     if PDL:
@@ -103,10 +104,16 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOC
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
+    if WHOLE:
+        amax = tl.max(amax, axis=0)
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q = tl.floor(x * inv + 0.5).to(tl.int32)
+        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1), amax / 127.0)
+    else:
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
+        tl.store(xd_ptr + m * (K // 32) + b, amax / 127.0, mask=bmask)
     tl.store(xq_ptr + m * K + cols, q.to(tl.int8), mask=bmask[:, None])
-    tl.store(xd_ptr + m * (K // 32) + b, amax / 127.0, mask=bmask)
     tl.store(xs_ptr + m * (K // 32) + b, tl.sum(x, axis=1), mask=bmask)
     if SUMS16:
         halves = tl.sum(tl.reshape(q, (BLOCKS * 2, 16)), axis=1)
@@ -515,25 +522,27 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
     _write_tile(y, y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m, BLOCK_M, SPLIT_K)
 
 
-def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = False):
+def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = False, scale_block: int = QK8):
     """x (M, K) bf16/fp16/fp32, K a multiple of 32 -> (int8 codes (M, K), fp32 scales d (M, K/32), fp32 exact block
     sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp
-    ``quantize_q8_1``, round half up).  ``sums16``: a fourth tensor, int32 (M, K/16), the sum of the codes of each
-    16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block).  ``pdl``: launched with programmatic
-    dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in ``_gdc_wait``."""
+    ``quantize_q8_1``, round half up).  ``scale_block=256``: one scale per 256 values, d (M, K/256) (llama.cpp's
+    ``Q8_K`` blocks; K a multiple of 256), the sums still per 32.  ``sums16``: a fourth tensor, int32 (M, K/16), the
+    sum of the codes of each 16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block).  ``pdl``:
+    launched with programmatic dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in
+    ``_gdc_wait``."""
     M, K = x.shape
-    if K % QK8:
-        raise ValueError(f"quantize_activations: K={K} is not a multiple of {QK8}")
+    if K % scale_block or scale_block not in (QK8, 8 * QK8):
+        raise ValueError(f"quantize_activations: K={K} is not a multiple of scale_block={scale_block} (32 or 256)")
     xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
-    xd = torch.empty((M, K // QK8), dtype=torch.float32, device=x.device)
-    xs = torch.empty_like(xd)
+    xd = torch.empty((M, K // scale_block), dtype=torch.float32, device=x.device)
+    xs = torch.empty((M, K // QK8), dtype=torch.float32, device=x.device)
     xi = torch.empty((M, K // 16), dtype=torch.int32, device=x.device) if sums16 else xd
     blocks = 8
     if M and K:
         pdl = bool(pdl and pdl_value(x.device, 0))
         _quantize_x_kernel[(M, triton.cdiv(K // QK8, blocks))](x, xq, xd, xs, xi, K, x.stride(0), BLOCKS=blocks,
-                                                                 SUMS16=sums16, PDL=pdl, num_warps=4,
-                                                                 **pdl_launch(pdl))
+                                                                 SUMS16=sums16, PDL=pdl, WHOLE=scale_block != QK8,
+                                                                 num_warps=4, **pdl_launch(pdl))
     return (xq, xd, xs, xi) if sums16 else (xq, xd, xs)
 
 

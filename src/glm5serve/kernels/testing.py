@@ -187,11 +187,11 @@ def q8_moe_model(x: torch.Tensor, xq: torch.Tensor, xd: torch.Tensor, w13_raw, w
     return y, tie
 
 
-def _half_step(v: torch.Tensor) -> torch.Tensor:
-    """Per value of v (..., K) float64, half the int8 step of its 32-block (max |v| / 127 / 2): the most rounding
+def _half_step(v: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Per value of v (..., K) float64, half the int8 step of its ``block`` (max |v| / 127 / 2): the most rounding
     to ``quantize_activations``' blocks moves it."""
-    d = v.abs().reshape(*v.shape[:-1], -1, 32).amax(-1) / 127
-    return (d / 2).repeat_interleave(32, dim=-1)
+    d = v.abs().reshape(*v.shape[:-1], -1, block).amax(-1) / 127
+    return (d / 2).repeat_interleave(block, dim=-1)
 
 
 def _q8_part(raw: torch.Tensor, qtype: int, dequant_fn=None) -> torch.Tensor:
@@ -208,14 +208,14 @@ def _q8_part(raw: torch.Tensor, qtype: int, dequant_fn=None) -> torch.Tensor:
     return S
 
 
-def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None) -> torch.Tensor:
-    """Worst-case effect of rounding x to int8 blocks of 32 (``gguf_gemv_q8``) on x @ W.T: ``sum_i |s_ni| d_mi / 2``
-    as a float64 (M, N) tensor, d_mi = max |x| over the 32-block of column i / 127.  s is the part of each weight
-    that multiplies the rounded activations: for Q4_K and Q5_K its scaled code (the min term is computed from exact
-    activation sums), i.e. W minus the same blocks dequantized with every code zeroed; for Q8_0, Q6_K, Q4_0 and Q5_0
-    (split rows, ``gguf_split``) the whole weight.
+def q8_activation_bound(x: torch.Tensor, raw, qtype: int, dequant_fn=None, block: int = 32) -> torch.Tensor:
+    """Worst-case effect of rounding x to int8 blocks of ``block`` values (32: ``gguf_gemv_q8``; 256: ``gguf_mma``)
+    on x @ W.T: ``sum_i |s_ni| d_mi / 2`` as a float64 (M, N) tensor, d_mi = max |x| over the block of column i /
+    127.  s is the part of each weight that multiplies the rounded activations: for Q4_K and Q5_K its scaled code
+    (the min term is computed from exact activation sums), i.e. W minus the same blocks dequantized with every code
+    zeroed; for Q8_0, Q6_K, Q4_0 and Q5_0 (split rows, ``gguf_split``) the whole weight.
     ``raw``: (N, row_bytes) uint8 numpy or torch; ``dequant_fn(raw, qtype)`` -> float64 (default: gguf-py, CPU)."""
     if Q(qtype) not in (Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.Q4_0, Q.Q5_0):
         raise ValueError(f"q8_activation_bound: no int8-activation kernel for {Q(qtype).name}")
     S = _q8_part(torch.as_tensor(raw), qtype, dequant_fn)
-    return _half_step(x.detach().to(S.device).double()) @ S.abs().T
+    return _half_step(x.detach().to(S.device).double(), block) @ S.abs().T

@@ -1,0 +1,231 @@
+"""GGUF Q4_K / Q5_K GEMM for decode batches of 2-16 rows on the int8 tensor cores (``mma.sync`` / ``wgmma`` with
+s8 operands, s32 accumulators).
+
+Why: the dp4a kernel (``gguf_gemv_q8``) pays two dp4a per code word and activation row, so its K loop grows with the
+batch (~4.6 SASS instructions per weight at 4 rows, ~6.2 at 8), and the bf16 tensor-core path of ``gguf_gemv``
+dequantizes every weight to a float first (~8 per weight, 22.6 us for Q4_K expert gate/up at batch 16 on an H200,
+0.5x bf16 cuBLAS).  Here the codes go to the tensor cores as they are: a Q4_K qs byte holds the codes of two
+sub-blocks (low nibble: sub-block 2j, high: 2j + 1, both at element l of their 32), so ``q & 0x0F0F0F0F`` on four
+bytes in one register is four int8 codes of sub-block 2j, and one ``tl.dot`` of [BLOCK_N, 32] codes with [32,
+BLOCK_M] int8 activations is that sub-block's exact integer dot product for every (row, activation row) pair.
+
+Activations are rounded to int8 with one scale per 256 values (llama.cpp's CPU ``Q8_K``, ``quantize_row_q8_K`` in
+ggml/src/ggml-quants.c, which its ``ggml_vec_dot_q4_K_q8_K`` pairs with Q4_K), so a super-block's eight sub-block
+products combine in integers, ``isum = sum_s sc_s * dot_s``, and take one float scale ``d * d_x`` per super-block.
+The min term uses the exact fp32 sums of each 32 activations (as ``gguf_gemv_q8``):
+
+    y[n, m] += d_n d_x[m] sum_s sc_ns dot_s[n, m]  -  dmin_n sum_s mn_ns sum_x[m, s]
+
+(gguf-py ``Q4_K.dequantize_blocks``: w = d sc u - dmin mn.)  The error of one output is at most ``sum_i |s_i| d_x /
+2`` plus fp32 rounding, s_i = d sc u_i the scaled code and d_x = max |x| over x's 256-block / 127
+(``kernels.testing.q8_activation_bound(..., block=256)``).
+
+The K loop costs ~2.6 (8 activation rows) / ~3.6 (16) SASS instructions per weight for Q4_K on sm_90, about the
+same at 2 rows as at 8: padded activation rows cost tensor-core cycles, not instructions
+(``tests/unit/test_kernels_compile.py``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5serve.kernels.gguf_gemv import (
+    BLOCK_SIZES,
+    Q4_K,
+    Q5_K,
+    _NAMES,
+    _as_words,
+    _f16_hi,
+    _f16_lo,
+    _pdl_prologue,
+    _tile_counters,
+    _write_tile,
+    pdl_launch,
+    pdl_value,
+)
+
+MMA_TYPES = frozenset({Q4_K, Q5_K})
+QK_K = 256  # activations per int8 scale (llama.cpp QK_K)
+
+
+@triton.jit
+def _codes4(q, HI: tl.constexpr, EMULATE: tl.constexpr):
+    """The 4-bit codes in the low (HI: high) nibbles of int8 bytes q, as int8 0..15: four bytes per 32-bit
+    register, so one LOP3 (HI: a shift and a LOP3) per four codes.  EMULATE: per byte, for the interpreter."""
+    if EMULATE:
+        if HI:
+            return (q >> 4) & 15
+        else:
+            return q & 15
+    if HI:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
+                                         [q], dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=tl.int8, is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _codes5(q, qh, HI: tl.constexpr, EMULATE: tl.constexpr):
+    """Q5_K codes 0..31: ``_codes4`` plus bit 0 (HI: bit 1) of each qh byte as the fifth bit."""
+    if EMULATE:
+        if HI:
+            return ((q >> 4) & 15) | ((qh & 2) << 3)
+        else:
+            return (q & 15) | ((qh & 1) << 4)
+    if HI:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; shr.b32 u, $1, 4; and.b32 u, u, 0x0F0F0F0F; shl.b32 t, $2, 3; "
+            "and.b32 t, t, 0x10101010; or.b32 $0, u, t; }", "=r,r,r", [q, qh], dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, u; and.b32 u, $1, 0x0F0F0F0F; shl.b32 t, $2, 4; and.b32 t, t, 0x10101010; or.b32 $0, u, t; }",
+        "=r,r,r", [q, qh], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _next_qh(qh, EMULATE: tl.constexpr):
+    """qh bytes shifted right by 2 (bits 0-1 then hold the fifth bits of the next qs chunk): one shift per four
+    bytes; the neighbour byte's bits that enter from above are masked off by ``_codes5``."""
+    if EMULATE:
+        return (qh >> 2) & 63
+    return tl.inline_asm_elementwise("shr.b32 $0, $1, 2;", "=r,r", [qh], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _scale_min(h1, h2, h3, SB: tl.constexpr):
+    """6-bit scale (int32) and min (fp32) of sub-block SB (0..7) from the 12 scale bytes in words h1..h3 ([BN]):
+    llama.cpp ``get_scale_min_k4`` / gguf-py ``Q4_K.get_scale_min``."""
+    SH: tl.constexpr = (SB % 4) * 8
+    a1 = (h1 >> SH) & 0xFF
+    a2 = (h2 >> SH) & 0xFF
+    if SB < 4:
+        return a1 & 63, (a2 & 63).to(tl.float32)
+    a3 = (h3 >> SH) & 0xFF
+    return (a3 & 0xF) | ((a1 >> 6) << 4), ((a3 >> 4) | ((a2 >> 6) << 4)).to(tl.float32)
+
+
+@triton.jit
+def _step_mma(acc, w8_ptr, w32_ptr, rmask, kb, xq_ptr, xo, xs_ptr, xd_ptr, so, mmask, FIVE: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """Super-block kb of BLOCK_N Q4_K (FIVE: Q5_K) rows (``w8_ptr`` / ``w32_ptr``: [BN] byte / int32 word pointers
+    to the rows) against BLOCK_M activation rows; acc [BN, BM] fp32.  ``xo`` [32, BM]: int8 offsets of element
+    l of each activation row's super-block kb; ``so`` [BM]: offsets of its first 32-block sum, its 256-scale at
+    ``xd_ptr + so // 8``."""
+    BB: tl.constexpr = 176 if FIVE else 144
+    QS: tl.constexpr = 48 if FIVE else 16
+    wp = w32_ptr + kb * (BB // 4)
+    h0 = tl.load(wp, mask=rmask, other=0)
+    h1 = tl.load(wp + 1, mask=rmask, other=0)
+    h2 = tl.load(wp + 2, mask=rmask, other=0)
+    h3 = tl.load(wp + 3, mask=rmask, other=0)
+    bp = w8_ptr[:, None] + kb * BB + tl.arange(0, 32)[None, :]
+    if FIVE:
+        qh = tl.load(bp + 16, mask=rmask[:, None], other=0)
+    isum = tl.zeros(acc.shape, dtype=tl.int32)
+    msum = tl.zeros(acc.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        q = tl.load(bp + QS + 32 * j, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+        if FIVE:
+            lo = _codes5(q, qh, False, EMULATE)
+            hi = _codes5(q, qh, True, EMULATE)
+            qh = _next_qh(qh, EMULATE)
+        else:
+            lo = _codes4(q, False, EMULATE)
+            hi = _codes4(q, True, EMULATE)
+        xlo = tl.load(xq_ptr + xo + 64 * j, mask=mmask[None, :], other=0)
+        xhi = tl.load(xq_ptr + xo + 64 * j + 32, mask=mmask[None, :], other=0)
+        sc0, mn0 = _scale_min(h1, h2, h3, 2 * j)
+        sc1, mn1 = _scale_min(h1, h2, h3, 2 * j + 1)
+        isum += sc0[:, None] * tl.dot(lo, xlo, out_dtype=tl.int32) + sc1[:, None] * tl.dot(hi, xhi, out_dtype=tl.int32)
+        sx0 = tl.load(xs_ptr + so + 2 * j, mask=mmask, other=0.0)
+        sx1 = tl.load(xs_ptr + so + 2 * j + 1, mask=mmask, other=0.0)
+        msum += mn0[:, None] * sx0[None, :] + mn1[:, None] * sx1[None, :]
+    dx = tl.load(xd_ptr + so // 8, mask=mmask, other=0.0)
+    return acc + _f16_lo(h0)[:, None] * (isum.to(tl.float32) * dx[None, :]) - _f16_hi(h0)[:, None] * msum
+
+
+@triton.jit
+def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, count_ptr, M, N, nb,
+                     blocks_per_split, stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+    """Grid (N tiles, SPLIT_K, M tiles); split-K and PDL as ``gguf_gemv._gemv_kernel``.  w8_ptr / w32_ptr: the
+    weight as int8 / int32 (stride_wn in int32 words); xq (M, K) int8, xd (M, K/256), xs (M, K/32) fp32."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_words = rows.to(tl.int64) * stride_wn
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    blk_begin = pid_k * blocks_per_split
+    blk_end = tl.minimum(blk_begin + blocks_per_split, nb)
+    _pdl_prologue(w32_ptr + row_words, rmask, blk_begin, blk_end, QTYPE, 1, PDL)
+    xo = ms[None, :].to(tl.int64) * (nb * 256) + tl.arange(0, 32)[:, None]
+    so = ms.to(tl.int64) * (nb * 8)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kb in range(blk_begin, blk_end):
+        acc = _step_mma(acc, w8_ptr + row_words * 4, w32_ptr + row_words, rmask, kb, xq_ptr, xo + kb * 256, xs_ptr,
+                        xd_ptr, so + kb * 8, mmask, QTYPE == 13, EMULATE)
+    _write_tile(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m,
+                BLOCK_M, SPLIT_K)
+
+
+def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 64, split_k: int = 1,
+                    num_warps: int = 2, block_m: int | None = None, num_stages: int = 1, asm: bool = True
+                    ) -> torch.Tensor:
+    """y = x @ dequantize(qweight)[:N].T on the int8 tensor cores, x rounded to int8 blocks of 256 (module
+    docstring).
+
+    Args:
+        x: (M, K) bf16/fp16/fp32 activations, M >= 0 (meant for 2..16; any M runs, BLOCK_M rows per program).
+        qweight: (>= N, >= row_bytes) uint8 raw Q4_K or Q5_K rows (row_bytes = K / 256 * 144 or 176).
+        qtype: GGML type id, Q4_K or Q5_K.
+        N: output features.  block_n (>= 16), split_k, num_warps: launch parameters as ``GemvConfig``.
+        block_m: activation rows per program, 8 or 16 (None: 8 for M <= 8, else 16).
+        num_stages: Triton's software pipelining of the K loop (1: none).
+        asm: False unpacks the codes byte by byte instead of four per PTX instruction (always so under the Triton
+            interpreter); the results are bit-identical.
+    Returns:
+        (M, N) in x's dtype, accumulated in fp32.
+    Raises:
+        ValueError: another type, K not a multiple of 256, too few weight rows or bytes, bad block_m / block_n.
+    Capture-safe under CUDA graphs (two launches, no host synchronisation).
+    """
+    from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+    qtype = int(qtype)
+    if qtype not in MMA_TYPES:
+        raise ValueError(f"gguf_linear_mma: {_NAMES.get(qtype, f'type {qtype}')} has no tensor-core int8 kernel "
+                         f"(supported: Q4_K, Q5_K)")
+    M, K = x.shape
+    qk, qb = BLOCK_SIZES[qtype]
+    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
+        raise ValueError(f"gguf_linear_mma: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows "
+                         f"of K={K}")
+    block_m = block_m or (8 if M <= 8 else 16)
+    if block_m not in (8, 16) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"gguf_linear_mma: block_m={block_m} must be 8 or 16 and block_n={block_n} a power of two "
+                         f">= 16")
+    if M == 0 or N == 0:
+        return x.new_zeros((M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nb = K // qk
+    blocks_per_split = triton.cdiv(nb, split_k)
+    split = triton.cdiv(nb, blocks_per_split)
+    pdl = pdl_value(x.device, blocks_per_split)
+    w = _as_words(qweight, qtype, unit=4)
+    xq, xd, xs = quantize_activations(x, pdl=bool(pdl), scale_block=QK_K)
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+    y = x.new_empty((M, N))
+    if split > 1:
+        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[2])
+    else:
+        part = counters = y  # unused
+    _gemm_mma_kernel[grid](xq, xd, xs, w.view(torch.int8), w, y, part, counters, M, N, nb, blocks_per_split,
+                           w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
+                           EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, num_warps=num_warps,
+                           num_stages=num_stages, **pdl_launch(pdl))
+    return y
