@@ -93,10 +93,10 @@ def linear_cases(draw):
     cfg = draw(st.one_of(st.none(), st.builds(
         GemvConfig, block_n=st.sampled_from((4, 8, 16, 32)), kbs=st.sampled_from((1, 2, 4)),
         split_k=st.integers(1, 5), num_warps=st.sampled_from((2, 4, 8)), use_dot=st.booleans(),
-        block_m=st.sampled_from((16, 32, 64)), q8=st.booleans(), mma=st.booleans(), stages=st.sampled_from((1, 2)))))
-    if cfg is not None and cfg.use_dot:  # the MMA needs 16 along N and along K per slice
-        cfg = GemvConfig(block_n=max(cfg.block_n, 16), kbs=max(cfg.kbs, 2), split_k=cfg.split_k,
-                         num_warps=cfg.num_warps, use_dot=True, block_m=cfg.block_m)
+        block_m=st.sampled_from((8, 16, 32, 64)), q8=st.booleans(), mma=st.booleans(),
+        stages=st.sampled_from((1, 2)))))
+    if cfg is not None and cfg.use_dot:  # the bf16 MMA needs 16 along M, N and K per slice
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, 16), kbs=max(cfg.kbs, 2), block_m=max(cfg.block_m, 16))
     return qtype, M, N, blocks * qk, draw(st.sampled_from(DTYPES)), cfg, draw(st.integers(0, 2**31))
 
 

@@ -166,12 +166,12 @@ def test_int8_tensor_cores_for_k_quant_batches_of_3_to_16(qtype, M, N, blocks, d
         assert (gpu.block_n, gpu.num_warps, gpu.stages) == ((16, 1, 1) if small and M <= 8 else (32, 2, 2) if small
                                                             else (64, 2, 2))
         assert gpu.block_m == (8 if M <= 8 else 16) and gpu.prefetch == 0
-        programs = -(-N // gpu.block_n) * gpu.split_k
-        per_sm = 8 if gpu.block_n == 16 else 4
-        assert 1 <= gpu.split_k <= blocks
-        # the fewest splits that reach per_sm programs per SM, evened out (no split left empty)
-        assert gpu.split_k == blocks or programs >= per_sm * 132 or -(-blocks // gpu.split_k) == -(-blocks // (
-            gpu.split_k + 1)), gpu
+        tiles, target = -(-N // gpu.block_n), (8 if gpu.block_n == 16 else 4) * 132
+        split = gpu.split_k
+        assert 1 <= split <= blocks and -(-blocks // -(-blocks // split)) == split  # no split left empty
+        # no more splits than reach the target number of programs, and evening them out costs at most half of it
+        assert (split - 1) * tiles < target, gpu
+        assert split == blocks or 2 * split * tiles >= target, gpu
 
 
 def test_q6_k_tiles_of_8_rows_follow_the_sm_count():

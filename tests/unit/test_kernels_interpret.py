@@ -482,10 +482,25 @@ else:
             gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 210, dtype=torch.uint8), Q.Q6_K, 4)
         with pytest.raises(ValueError, match="does not hold 5 rows"):
             gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
-        with pytest.raises(ValueError, match="block_m=4"):
-            gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 4, block_m=4)
-        x, w, ref, bound = _case(Q.Q8_0, M=3, N=5, K=_k(Q.Q8_0, 2), seed=61, dtype=torch.float32)
-        _check(gguf_linear(x, w, Q.Q8_0, 5, GemvConfig(mma=True)), ref, bound, what="Q8_0 with mma=True")
+        w4 = torch.zeros(4, 144, dtype=torch.uint8)
+        for kw, msg in ((dict(block_m=4), "block_m=4 must be 8 or 16"), (dict(block_n=8), "block_n=8 must be"),
+                        (dict(split_k=0), "split_k=0 must be")):
+            with pytest.raises(ValueError, match=msg):
+                gguf_linear_mma(torch.zeros(2, 256), w4, Q.Q4_K, 4, **kw)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            gguf_linear_mma(torch.zeros(2, 300), w4, Q.Q4_K, 4)
+        with pytest.raises(ValueError, match="must be .rows, bytes."):
+            gguf_linear_mma(torch.zeros(2, 256), w4.reshape(-1), Q.Q4_K, 2)
+        with pytest.raises(ValueError, match="x must be"):
+            gguf_linear_mma(torch.zeros(2, 256, dtype=torch.int8), w4, Q.Q4_K, 4)
+        with pytest.raises(ValueError, match="scale_block=64 must be 32 or 256"):
+            from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+            quantize_activations(torch.zeros(1, 256), scale_block=64)
+        # bf16 x, so that only the type keeps Q8_0 off the int8 tensor cores: its own path, within its own budget
+        x, w, ref, bound = _case(Q.Q8_0, M=3, N=5, K=_k(Q.Q8_0, 2), seed=61, dtype=torch.bfloat16)
+        _check(gguf_linear(x, w, Q.Q8_0, 5, GemvConfig(mma=True)), ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -7,
+               what="Q8_0 with mma=True")
 
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)

@@ -25,13 +25,13 @@ bound by its instruction count before it reaches that bandwidth):
   same decoder (``dequantize_rows``, the kernels' STORE path) and multiplied by cuBLAS: measured on the H200, the
   fused tensor-core path with 64-row tiles was 4-20x slower than that at 64-256 rows.
 
-Two later additions: for Q4_K at batches 1-8 and Q5_K/Q6_K at batches 2-8 (``GemvConfig.q8``, chosen by
+Two later additions: for Q4_K and Q5_K at batches 1-4 and Q6_K at batches 2-8 (``GemvConfig.q8``, chosen by
 ``pick_config``) the activations are rounded to int8 blocks and the codes multiplied with ``dp4a``
 (``gguf_gemv_q8``: ~2.7 instead of ~6.3 instructions per weight for Q4_K); and for weights of 32 MB or more each K
 step first asks L2 for the blocks one or two steps ahead (``GemvConfig.prefetch``).
 
 Session 23 added a third: for Q4_K and Q5_K at 5-16 rows (3-4 on large weights) the codes go to the int8 tensor
-cores as they are, with the activations rounded to int8 blocks of 256 (``gguf_mma``: 2-4x faster than the bf16
+cores as they are, with the activations rounded to int8 blocks of 256 (``gguf_mma``: 1.4-2.8x faster than the bf16
 tensor-core path at 16 rows, ~1.5x faster than dp4a at 8 for Q5_K).
 
 On sm_90 the GEMVs are launched with programmatic dependent launch (``PDL_MODE``): a GEMV's launch overlaps the end
@@ -793,8 +793,9 @@ _DEQUANT_TILE = {**_FMA_TILE, Q6_K: (16, 4)}
 Q8_MAX_M = 8
 Q8_MIN_BYTES_M1 = 4 << 20
 #: types with an int8-activation kernel (``gguf_gemv_q8``); ``GemvConfig.q8`` is ignored for the others, and for Q6_K
-#: rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K take it at batches 2..Q8_MAX_M, where
-#: their fp32 decode runs on the tensor cores (Q5_K also at batch 1 from Q8_MIN_BYTES_M1, below).  H200, session 11,
+#: rows of an odd number of blocks (it reads blocks in pairs).  Q5_K and Q6_K took it at batches 2..Q8_MAX_M, where
+#: their fp32 decode runs on the tensor cores (Q5_K also at batch 1 from Q8_MIN_BYTES_M1, below; since session 23
+#: Q5_K only up to 4 rows, ``_mma_applies``).  H200, session 11,
 #: same run, microseconds, q8 at the tile below / that path / bf16 cuBLAS: Q5_K expert gate/up batch 2 11.9 / 20.4 /
 #: 11.5, batch 4 12.9 / 21.1 / 11.6, batch 8 17.9 / 22.8; down batch 4 11.7 / 20.8 / 9.7; Q6_K gate/up batch 2 12.9 /
 #: 18.8 / 11.8, batch 4 15.2 / 20.1 / 11.8; down batch 4 15.0 / 21.2 / 9.7; lm_head/8 batch 4 (kbs 4, tuned) 107 / 153 /
@@ -859,8 +860,9 @@ def _q8_row_tile(N: int, nb: int, sms: int) -> tuple[int, int, int, bool]:
 Q8_AHEAD = frozenset({Q4_K})
 
 #: the int8 tensor-core GEMM (``GemvConfig.mma``, ``gguf_mma``) for Q4_K and Q5_K at 5..16 rows, and at 3..4 rows on
-#: weights of at least MMA_MIN_BYTES_M4 whose rows hold MMA_MIN_BLOCKS_M4 super-blocks or more.  H200, session 23, same run, us, best of 8-24 launches of it / the path
-#: before (dp4a at 2..8 rows, bf16 tensor cores at 16) / bf16 cuBLAS, Q4_K: expert gate/up batch 4 9.96 / 9.79 /
+#: weights of at least MMA_MIN_BYTES_M4 whose rows hold MMA_MIN_BLOCKS_M4 super-blocks or more.  H200, session 23,
+#: same run, us, best of 8-24 launches of it (the tile ``_mma_tile`` picks: its docstring) / the path before (dp4a
+#: at 2..8 rows, bf16 tensor cores at 16) / bf16 cuBLAS, Q4_K: expert gate/up batch 4 9.96 / 9.79 /
 #: 11.79, 8 10.57 / 11.98 / 11.52, 16 12.30 / 22.76 / 11.85; expert down 9.23 / 8.17 / 9.49, 9.77 / 10.70 / 9.38,
 #: 11.54 / 22.52 / 9.44; lm_head/8 48.9 / 58.2 / 67.0, 52.3 / 81.6 / 66.4, 66.1 / 179.2 / 66.7; q_b/8 (batch 8, 16)
 #: 6.20 / 6.78, 7.47 / 10.84; expert down/8 3.46 / 3.32, 4.23 / 5.80.  Q5_K: expert gate/up 10.29 / 11.25, 10.83 /
@@ -882,12 +884,13 @@ def _mma_applies(qtype: int, M: int, nb: int, weight_bytes: int) -> bool:
 
 def _mma_tile(M: int, N: int, nb: int, sms: int) -> tuple[int, int, int, int]:
     """(block_n, num_warps, split_k, stages) of the int8 tensor-core GEMM: 64 rows on 2 warps, software-pipelined
-    two deep, split-K to ~4 programs per SM; where such tiles with one super-block per program give fewer than 4
-    programs per SM, 16 rows on 1 warp, no pipelining, ~8 programs per SM at up to 8 rows (32 rows on 2 warps
-    above).  The session-23 sweep (H200, 16/32/64/128 rows, split-K to 2/4/8 programs per SM, 1 or 2 stages): best
-    / this tile, us, Q4_K batch 16: expert gate/up 12.30 / 12.30, down 11.54 / 11.54, q_b/8 7.47 / 7.69, expert
-    gate+up/8 8.19 / 8.52, down/8 4.23 / 4.29; batch 8: gate/up 10.57 / 10.60, down 9.77 / 10.44, q_b/8 6.20 / 6.20,
-    gate+up/8 6.43 / 6.43, down/8 3.46 / 3.46; lm_head/8 52.3 (128 rows, 4 warps, 6-way split) / 55.4."""
+    two deep, split-K to ~4 programs per SM (the fewest splits that reach it, evened out so that none is empty); where
+    such tiles with one super-block per program give fewer than 4 programs per SM, 16 rows on 1 warp, no pipelining, ~8
+    programs per SM at up to 8 rows, and 32 rows on 2 warps, two stages, ~4 per SM above.  The session-23 sweep (H200,
+    16/32/64/128 rows, split-K to 2/4/8 programs per SM, 1 or 2 stages): best / this tile, us, Q4_K batch 16: expert
+    gate/up 12.30 / 12.30, down 11.54 / 11.54, q_b/8 7.47 / 7.69, expert gate+up/8 8.19 / 8.52, down/8 4.23 / 4.29;
+    batch 8: gate/up 10.57 / 10.60, down 9.77 / 10.44, q_b/8 6.20 / 6.20, gate+up/8 6.43 / 6.43, down/8 3.46 / 3.46;
+    lm_head/8 52.3 (128 rows, 4 warps, 6-way split) / 55.4."""
     small = triton.cdiv(N, 64) * nb < 4 * sms
     block_n, num_warps = (16, 1) if small and M <= 8 else (32, 2) if small else (64, 2)
     split = min(nb, triton.cdiv((8 if block_n == 16 else 4) * sms, triton.cdiv(N, block_n)))
@@ -910,8 +913,9 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     (``ahead`` for Q8_AHEAD types at 2..4 rows; at batch 1 ``_q8_row_tile``; Q6_K takes
     tiles of 8 rows, kbs 4 and 2 warps at 5..8 rows, and at 2..4 rows where cdiv(N, 8) row tiles give >= 2 programs
     per SM).  Q4_K and Q5_K take the int8 tensor-core GEMM instead (``mma``, ``_mma_applies``, ``_mma_tile``) at
-    5..16 rows, and at 3..4 rows on weights of MMA_MIN_BYTES_M4 with rows of MMA_MIN_BLOCKS_M4.  Neither prefetch nor q8 nor mma for ``device_name``
-    "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` and ``mma`` only when asked)."""
+    5..16 rows, and at 3..4 rows on weights of MMA_MIN_BYTES_M4 with rows of MMA_MIN_BLOCKS_M4.  Neither prefetch nor q8
+    nor mma for ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` and ``mma`` only when
+    asked)."""
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
     # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)
@@ -930,7 +934,7 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
         if M == 1:
             (block_n, kbs, num_warps, ahead), per_sm = _q8_row_tile(N, nb, sms), 8
         else:
-            block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][0 if M <= 4 else 1]
+            block_n, kbs, per_sm, num_warps = _Q8_TILE[qtype][0 if M <= 4 else -1]
             many = _Q8_MANY_ROWS_TILE.get(qtype) if M <= 4 else None
             if many and triton.cdiv(N, many[0]) >= 2 * sms:
                 block_n, kbs, num_warps = many
@@ -1075,7 +1079,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
             multiplied by cuBLAS, which past decode batches beats dequantizing in every program).
     Returns:
         (M, N) in x's dtype; accumulation in fp32.  On the ``q8`` path x is first rounded to int8 blocks of 32
-        (error bound in ``gguf_gemv_q8``), as llama.cpp's CUDA backend and the plugin's ``*_a8`` kernels do.
+        (error bound in ``gguf_gemv_q8``), as llama.cpp's CUDA backend and the plugin's ``*_a8`` kernels do; on the
+        ``mma`` path to int8 blocks of 256 (llama.cpp's ``Q8_K``, error bound in ``gguf_mma``).
     Raises:
         ValueError: unsupported type or inconsistent shapes.
     Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.

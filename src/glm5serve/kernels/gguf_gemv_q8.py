@@ -531,8 +531,10 @@ def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = Fals
     launched with programmatic dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in
     ``_gdc_wait``."""
     M, K = x.shape
-    if K % scale_block or scale_block not in (QK8, 8 * QK8):
-        raise ValueError(f"quantize_activations: K={K} is not a multiple of scale_block={scale_block} (32 or 256)")
+    if scale_block not in (QK8, 8 * QK8):
+        raise ValueError(f"quantize_activations: scale_block={scale_block!r} must be 32 or 256")
+    if K % scale_block:
+        raise ValueError(f"quantize_activations: K={K} is not a multiple of scale_block={scale_block}")
     xq = torch.empty((M, K), dtype=torch.int8, device=x.device)
     xd = torch.empty((M, K // scale_block), dtype=torch.float32, device=x.device)
     xs = torch.empty((M, K // QK8), dtype=torch.float32, device=x.device)

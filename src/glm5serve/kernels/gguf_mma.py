@@ -1,13 +1,13 @@
-"""GGUF Q4_K / Q5_K GEMM for decode batches of 2-16 rows on the int8 tensor cores (``mma.sync`` / ``wgmma`` with
-s8 operands, s32 accumulators).
+"""GGUF Q4_K / Q5_K GEMM for decode batches of 5-16 rows (3-4 on large weights, ``gguf_gemv._mma_applies``) on the
+int8 tensor cores (``mma.sync`` / ``wgmma`` with s8 operands, s32 accumulators).
 
 Why: the dp4a kernel (``gguf_gemv_q8``) pays two dp4a per code word and activation row, so its K loop grows with the
 batch (~4.6 SASS instructions per weight at 4 rows, ~6.2 at 8), and the bf16 tensor-core path of ``gguf_gemv``
-dequantizes every weight to a float first (~8 per weight, 22.6 us for Q4_K expert gate/up at batch 16 on an H200,
-0.5x bf16 cuBLAS).  Here the codes go to the tensor cores as they are: a Q4_K qs byte holds the codes of two
-sub-blocks (low nibble: sub-block 2j, high: 2j + 1, both at element l of their 32), so ``q & 0x0F0F0F0F`` on four
-bytes in one register is four int8 codes of sub-block 2j, and one ``tl.dot`` of [BLOCK_N, 32] codes with [32,
-BLOCK_M] int8 activations is that sub-block's exact integer dot product for every (row, activation row) pair.
+dequantizes every weight to a float first (~8 per weight, 22.8 us for Q4_K expert gate/up at batch 16 on an H200, 0.5x
+bf16 cuBLAS; 12.3 us here).  Here the codes go to the tensor cores as they are: a Q4_K qs byte holds the codes of two
+sub-blocks (low nibble: sub-block 2j, high: 2j + 1, both at element l of their 32), so ``q & 0x0F0F0F0F`` on four bytes
+in one register is four int8 codes of sub-block 2j, and one ``tl.dot`` of [BLOCK_N, 32] codes with [32, BLOCK_M] int8
+activations is that sub-block's exact integer dot product for every (row, activation row) pair.
 
 Activations are rounded to int8 with one scale per 256 values (llama.cpp's CPU ``Q8_K``, ``quantize_row_q8_K`` in
 ggml/src/ggml-quants.c, which its ``ggml_vec_dot_q4_K_q8_K`` pairs with Q4_K), so a super-block's eight sub-block
@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from glm5serve.kernels.gguf_gemv import (
-    BLOCK_SIZES,
     Q4_K,
     Q5_K,
     _NAMES,
     _as_words,
+    _check,
     _f16_hi,
     _f16_lo,
     _pdl_prologue,
@@ -189,7 +189,8 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, K not a multiple of 256, too few weight rows or bytes, bad block_m / block_n.
+        ValueError: another type, x not (M, K) bf16/fp16/fp32, K not a multiple of 256, a qweight that is not
+            2-D uint8 or holds too few rows or bytes, bad block_m / block_n / split_k.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
@@ -198,20 +199,22 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     if qtype not in MMA_TYPES:
         raise ValueError(f"gguf_linear_mma: {_NAMES.get(qtype, f'type {qtype}')} has no tensor-core int8 kernel "
                          f"(supported: Q4_K, Q5_K)")
-    M, K = x.shape
-    qk, qb = BLOCK_SIZES[qtype]
-    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
-        raise ValueError(f"gguf_linear_mma: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows "
-                         f"of K={K}")
+    if qweight.dim() != 2:
+        raise ValueError(f"gguf_linear_mma: qweight must be (rows, bytes), got shape {tuple(qweight.shape)}")
+    K = _check(x, qweight, qtype, N)
+    M = x.shape[0]
     block_m = block_m or (8 if M <= 8 else 16)
-    if block_m not in (8, 16) or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"gguf_linear_mma: block_m={block_m} must be 8 or 16 and block_n={block_n} a power of two "
-                         f">= 16")
-    if M == 0 or N == 0:
+    if block_m not in (8, 16):
+        raise ValueError(f"gguf_linear_mma: block_m={block_m!r} must be 8 or 16")
+    if type(block_n) is not int or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"gguf_linear_mma: block_n={block_n!r} must be a power of two >= 16")
+    if type(split_k) is not int or split_k < 1:
+        raise ValueError(f"gguf_linear_mma: split_k={split_k!r} must be an int >= 1")
+    if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
         x = x.contiguous()
-    nb = K // qk
+    nb = K // QK_K
     blocks_per_split = triton.cdiv(nb, split_k)
     split = triton.cdiv(nb, blocks_per_split)
     pdl = pdl_value(x.device, blocks_per_split)
