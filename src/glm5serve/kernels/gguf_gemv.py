@@ -764,6 +764,17 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     return pool[offset:offset + n]
 
 
+def _split_outputs(x: torch.Tensor, N: int, grid: tuple[int, int, int], block_m: int):
+    """(y, part, counters) of a launch over ``grid`` = (N tiles, split-K programs, M tiles of block_m rows): y (M, N)
+    in x's dtype; with split-K, fp32 partials [split, M tiles * block_m, N] and zeroed tile counters
+    (``_tile_counters``), else y in their place (the kernels do not touch them)."""
+    y = x.new_empty((x.shape[0], N))
+    if grid[1] == 1:
+        return y, y, y
+    part = torch.empty((grid[1], grid[2] * block_m, N), dtype=torch.float32, device=x.device)
+    return y, part, _tile_counters(x.device, grid[0] * grid[2])
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -1122,12 +1133,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     blocks_per_split = triton.cdiv(triton.cdiv(nb, config.split_k), config.kbs) * config.kbs
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
-    y = x.new_empty((M, N))
-    if split > 1:
-        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = y  # unused
+    y, part, counters = _split_outputs(x, N, grid, block_m)
     pdl = pdl_value(x.device, blocks_per_split // config.kbs)
     _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
                        QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G, T=T,

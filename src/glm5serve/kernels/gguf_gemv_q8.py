@@ -75,7 +75,7 @@ from glm5serve.kernels.gguf_gemv import (
     _pdl_prologue,
     _pow2_at_least,
     _prefetch_l2,
-    _tile_counters,
+    _split_outputs,
     _write_tile,
     pdl_launch,
     pdl_value,
@@ -599,12 +599,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     xq, xd, xs, *xi = quantize_activations(x, sums16=qtype == Q6_K, pdl=bool(pdl))
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
-    y = x.new_empty((M, N))
-    if split > 1:
-        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = y  # unused
+    y, part, counters = _split_outputs(x, N, grid, block_m)
     emulate = x.device.type != "cuda" or not dp4a
     _gemv_q8_kernel[grid](xq.view(torch.int32), xd, xs, xi[0] if xi else xd, w, y, part, counters, M, N, nb,
                           blocks_per_split, w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m,

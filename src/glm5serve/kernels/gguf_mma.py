@@ -39,7 +39,7 @@ from glm5serve.kernels.gguf_gemv import (
     _f16_hi,
     _f16_lo,
     _pdl_prologue,
-    _tile_counters,
+    _split_outputs,
     _write_tile,
     pdl_launch,
     pdl_value,
@@ -221,12 +221,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     w = _as_words(qweight, qtype, unit=4)
     xq, xd, xs = quantize_activations(x, pdl=bool(pdl), scale_block=QK_K)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
-    y = x.new_empty((M, N))
-    if split > 1:
-        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = y  # unused
+    y, part, counters = _split_outputs(x, N, grid, block_m)
     _gemm_mma_kernel[grid](xq, xd, xs, w.view(torch.int8), w, y, part, counters, M, N, nb, blocks_per_split,
                            w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
                            EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, num_warps=num_warps,

@@ -55,7 +55,7 @@ from glm5serve.kernels.gguf_gemv import (
     _pow2_at_least,
     _pow2_at_most,
     _prefetch_lines,
-    _tile_counters,
+    _split_outputs,
     _write_tile,
     pdl_launch,
     pdl_value,
@@ -777,12 +777,7 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     xq, xd, _ = quantize_activations(x, pdl=bool(pdl))
     split = triton.cdiv(nb, blocks_per_split)
     grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
-    y = x.new_empty((M, N))
-    if split > 1:
-        part = torch.empty((split, grid[2] * block_m, N), dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[2])
-    else:
-        part = counters = y  # unused
+    y, part, counters = _split_outputs(x, N, grid, block_m)
     _gemv_split_kernel[grid](xq.view(torch.int32), xd, w, y, part, counters, M, N, nb, blocks_per_split, w.stride(0),
                              y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=kbs,
                              SPLIT_K=split, EMULATE=x.device.type != "cuda" or not dp4a, PDL=pdl,
