@@ -178,7 +178,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     docstring).
 
     Args:
-        x: (M, K) bf16/fp16/fp32 activations, M >= 0 (meant for 2..16; any M runs, BLOCK_M rows per program).
+        x: (M, K) bf16/fp16/fp32 activations, M >= 0 (meant for 3..16; any M runs, BLOCK_M rows per program).
         qweight: (>= N, >= row_bytes) uint8 raw Q4_K or Q5_K rows (row_bytes = K / 256 * 144 or 176).
         qtype: GGML type id, Q4_K or Q5_K.
         N: output features.  block_n (>= 16), split_k, num_warps: launch parameters as ``GemvConfig``.
