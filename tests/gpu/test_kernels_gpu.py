@@ -244,18 +244,23 @@ def test_split_rows_dp4a_equals_its_emulation_and_graphs_replay(qtype, M):
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
 def test_mma_nibbles_equal_their_emulation_and_graphs_replay(qtype, M):
     """The tensor-core int8 GEMM's packed nibble/qh unpacking (PTX, four codes per instruction) and its per-byte
-    emulation (the interpreter tests') give bit-identical outputs on the GPU, with and without software pipelining
-    and split-K (production tile and a drawn one), and a CUDA-graph replay equals the eager call on fresh inputs."""
+    emulation (the interpreter tests') give bit-identical outputs on the GPU, with and without software pipelining,
+    split-K and two super-blocks per step (production tile and drawn ones; K = 12 super-blocks, so some launches
+    take programs of MMA_PDL_MAX_BLOCKS or more, launched without PDL), and a CUDA-graph replay equals the eager
+    call on fresh inputs."""
     from glm5serve.kernels.gguf_mma import gguf_linear_mma
 
     N, K = 301, 12 * 256
     x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=140 + M)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block_n, num_warps, split_k, stages in (_mma_tile(M, N, K // 256, sms), (32, 2, 5, 2), (64, 4, 1, 1)):
-        kw = dict(block_n=block_n, split_k=split_k, num_warps=num_warps, num_stages=stages)
+    for block_n, num_warps, split_k, stages, kbs in (_mma_tile(M, N, K // 256, sms), (32, 2, 5, 2, 1), (64, 4, 1, 1, 2),
+                                                     (32, 2, 2, 2, 2)):
+        kw = dict(block_n=block_n, split_k=split_k, num_warps=num_warps, num_stages=stages, kbs=kbs)
         y = gguf_linear_mma(x, w, qtype, N, **kw)
         assert torch.equal(y, gguf_linear_mma(x, w, qtype, N, asm=False, **kw)), kw
         assert torch.equal(y, gguf_linear_mma(x, w, qtype, N, **{**kw, "num_stages": 3 - stages})), kw
+        if -(-12 // split_k) % 2 == 0:  # the same splits with either kbs (a split takes a multiple of kbs blocks)
+            assert torch.equal(y, gguf_linear_mma(x, w, qtype, N, **{**kw, "kbs": 3 - kbs})), kw
     cfg = GemvConfig(block_n=32, split_k=5, num_warps=2, mma=True, block_m=8 if M <= 8 else 16, stages=2)
     static_x = x.clone()
     g, out = capture(lambda: gguf_linear(static_x, w, qtype, N, cfg))

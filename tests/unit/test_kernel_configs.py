@@ -145,6 +145,7 @@ def _wants_mma(qtype, M, weight_bytes, dtype, blocks) -> bool:
 @example(qtype=Q4_K, M=8, N=2048, blocks=8, dtype=torch.bfloat16).via("q_b/8 at 8 rows: 16-row tiles on 1 warp")
 @example(qtype=Q4_K, M=16, N=2048, blocks=8, dtype=torch.bfloat16).via("q_b/8 at 16 rows: 32-row tiles")
 @example(qtype=Q4_K, M=4, N=19360, blocks=24, dtype=torch.bfloat16).via("Q4_K lm_head/8 at 4 rows (67 MB)")
+@example(qtype=Q4_K, M=16, N=19360, blocks=24, dtype=torch.bfloat16).via("Q4_K lm_head/8 at 16 rows: no split-K")
 @example(qtype=Q4_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q4_K expert gate/up at 4 rows: dp4a")
 @example(qtype=Q5_K, M=3, N=6144, blocks=8, dtype=torch.bfloat16).via("Q5_K expert down at 3 rows: dp4a (8 blocks)")
 @example(qtype=Q5_K, M=4, N=2048, blocks=24, dtype=torch.bfloat16).via("Q5_K expert gate/up at 4 rows (8.7 MB)")
@@ -154,7 +155,8 @@ def test_int8_tensor_cores_for_k_quant_batches_of_3_to_16(qtype, M, N, blocks, d
     """mma (``gguf_mma``): Q4_K and Q5_K, bf16/fp16 activations, on a GPU only, at 5..16 rows and at 3..4 on large
     weights; 8 activation rows per program up to 8, else 16; 64-row tiles on 2 warps, two pipeline stages, split-K to
     ~4 programs per SM, unless such tiles with one super-block per program give fewer than 4 programs per SM: then
-    16 rows on 1 warp, one stage and ~8 programs per SM up to 8 rows, 32 rows on 2 warps above."""
+    16 rows on 1 warp, one stage and ~8 programs per SM up to 8 rows, 32 rows on 2 warps and two super-blocks per
+    step above; above 8 rows no split-K where the row tiles alone give >= 2 programs per SM."""
     qk, qb = BLOCK_SIZES[qtype]
     K = blocks * qk
     gpu = pick_config(qtype, M, N, K, 132, dtype, "")
@@ -166,12 +168,15 @@ def test_int8_tensor_cores_for_k_quant_batches_of_3_to_16(qtype, M, N, blocks, d
         assert (gpu.block_n, gpu.num_warps, gpu.stages) == ((16, 1, 1) if small and M <= 8 else (32, 2, 2) if small
                                                             else (64, 2, 2))
         assert gpu.block_m == (8 if M <= 8 else 16) and gpu.prefetch == 0
+        assert gpu.kbs == (2 if gpu.block_n == 32 and blocks >= 2 else 1)
         tiles, target = -(-N // gpu.block_n), (8 if gpu.block_n == 16 else 4) * 132
-        split = gpu.split_k
-        assert 1 <= split <= blocks and -(-blocks // -(-blocks // split)) == split  # no split left empty
+        split, steps = gpu.split_k, -(-blocks // gpu.kbs)
+        assert 1 <= split <= steps and -(-steps // -(-steps // split)) == split  # no split left empty
+        if M > 8 and tiles >= 2 * 132:
+            assert split == 1, gpu
         # no more splits than reach the target number of programs, and evening them out costs at most half of it
         assert (split - 1) * tiles < target, gpu
-        assert split == blocks or 2 * split * tiles >= target, gpu
+        assert split == steps or 2 * split * tiles >= target or M > 8 and tiles >= 2 * 132, gpu
 
 
 def test_q6_k_tiles_of_8_rows_follow_the_sm_count():
@@ -300,11 +305,12 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
     """Each GEMV launch site passes ``launch_pdl`` exactly when it compiles the kernel with PDL > 0 (launched with PDL
     but compiled without ``griddepcontrol.wait``, a GEMV would read x before the kernel writing it finished), and the
     int8 paths launch their activation quantizer with PDL exactly when they launch their GEMV with it."""
-    from glm5serve.kernels import gguf_gemv_q8, gguf_split
+    from glm5serve.kernels import gguf_gemv_q8, gguf_mma, gguf_split
 
     log: list = []
     for mod, name in ((gguf_gemv, "_gemv_kernel"), (gguf_gemv_q8, "_quantize_x_kernel"),
-                      (gguf_gemv_q8, "_gemv_q8_kernel"), (gguf_split, "_gemv_split_kernel")):
+                      (gguf_gemv_q8, "_gemv_q8_kernel"), (gguf_split, "_gemv_split_kernel"),
+                      (gguf_mma, "_gemm_mma_kernel")):
         monkeypatch.setattr(mod, name, _Launches(name, log))
     N, K = 32, 512
     x = torch.randn(2, K).to(torch.bfloat16)
@@ -313,16 +319,25 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
     calls = [lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(split_k=2)),  # one kernel (FMA / tensor cores)
              lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(kbs=1, split_k=2, q8=True)),  # quantizer + int8 GEMV
              lambda: gguf_linear(x, q40, gguf_split.split_type(gguf_gemv.Q4_0), N,
-                                 GemvConfig(block_n=16, kbs=4, split_k=2, q8=True))]  # quantizer + split rows
+                                 GemvConfig(block_n=16, kbs=4, split_k=2, q8=True)),  # quantizer + split rows
+             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(block_n=16, split_k=2, mma=True))]  # + tensor cores
+    long_k = 2 * gguf_mma.MMA_PDL_MAX_BLOCKS * 256  # split in 2: programs of MMA_PDL_MAX_BLOCKS super-blocks
+    x_long, q4k_long = torch.randn(2, long_k).to(torch.bfloat16), torch.zeros(N, long_k // 256 * 144, dtype=torch.uint8)
+    long_programs = [lambda: gguf_linear(x_long, q4k_long, Q4_K, N, GemvConfig(block_n=16, split_k=1, mma=True)),
+                     lambda: gguf_linear(x_long, q4k_long, Q4_K, N, GemvConfig(block_n=16, kbs=2, split_k=2,
+                                                                              mma=True))]
     for mode in gguf_gemv.PDL_MODES:
         def value(device, steps, mode=mode):  # pdl_value on a capable GPU (these tensors are on the CPU)
             return {"off": 0, "wait": 1, "prefetch": 1 + min(steps, gguf_gemv.PDL_MAX_STEPS)}[mode]
-        for mod in (gguf_gemv, gguf_gemv_q8, gguf_split):
+        for mod in (gguf_gemv, gguf_gemv_q8, gguf_split, gguf_mma):
             monkeypatch.setattr(mod, "pdl_value", value)
-        for call in calls:
+        for call in calls + long_programs:
             log.clear()
             call()
             assert [n for n, _ in log] in (["_gemv_kernel"], ["_quantize_x_kernel", "_gemv_q8_kernel"],
-                                           ["_quantize_x_kernel", "_gemv_split_kernel"])
+                                           ["_quantize_x_kernel", "_gemv_split_kernel"],
+                                           ["_quantize_x_kernel", "_gemm_mma_kernel"])
+            # the tensor-core GEMM's programs of MMA_PDL_MAX_BLOCKS super-blocks or more launch without PDL
+            pdl = mode != "off" and call not in long_programs
             for name, kw in log:
-                assert bool(kw.get("launch_pdl")) == (int(kw["PDL"]) > 0) == (mode != "off"), (mode, name, kw)
+                assert bool(kw.get("launch_pdl")) == (int(kw["PDL"]) > 0) == pdl, (mode, name, kw)

@@ -311,7 +311,8 @@ def test_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, M, N, K):
     sig = dict(xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*fp32", w8_ptr="*i8", w32_ptr="*i32", y_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
                stride_wn="i32", stride_ym="i32")
-    const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=1)
+    const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=1,
+                 KBS=cfg.kbs)
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("xq_ptr", "w8_ptr", "w32_ptr",
                                                                                 "y_ptr", "stride_wn")}
     src = ASTSource(kernel, {n: ("constexpr" if n in const else sig[n]) for n in kernel.arg_names}, const, attrs)
@@ -320,9 +321,9 @@ def test_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, M, N, K):
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     # one m16n8k32 IMMA per 16 weight rows, 8 activation rows and 32 K per warp (or warpgroup MMAs)
-    assert ops["IMMA.16832.S8.S8.SAT"] == cfg.block_n * cfg.block_m * 256 // (16 * 8 * 32 * cfg.num_warps) or any(
-        o.startswith("IGMMA") for o in ops), ops.most_common(12)
-    weights = cfg.block_n * 256 / (32 * cfg.num_warps)  # per thread and K step (one super-block)
+    imma = cfg.kbs * cfg.block_n * cfg.block_m * 256 // (16 * 8 * 32 * cfg.num_warps)
+    assert ops["IMMA.16832.S8.S8.SAT"] == imma or any(o.startswith("IGMMA") for o in ops), ops.most_common(12)
+    weights = cfg.kbs * cfg.block_n * 256 / (32 * cfg.num_warps)  # per thread and K step (kbs super-blocks)
     per_weight = sum(ops.values()) / weights
     assert per_weight <= MMA_BUDGET[qtype], (per_weight, ops.most_common(10))
 
@@ -459,11 +460,11 @@ def _pdl_kernels(pdl: int):
     msig = dict(xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*fp32", w8_ptr="*i8", w32_ptr="*i32", y_ptr="*bf16",
                 part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32",
                 stride_wn="i32", stride_ym="i32")
-    for qtype, M in ((g.Q4_K, 16), (g.Q5_K, 8)):
-        c = g.pick_config(qtype, M, 2048, 6144, 132)
-        out.append((f"mma {g._NAMES[qtype]} M{M}", _compile(
+    for qtype, M, K in ((g.Q4_K, 16, 6144), (g.Q5_K, 8, 6144), (g.Q4_K, 16, 2048)):  # the last: 2 blocks per step
+        c = g.pick_config(qtype, M, 2048, K, 132)
+        out.append((f"mma {g._NAMES[qtype]} M{M} K{K}", _compile(
             mma._gemm_mma_kernel, msig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, SPLIT_K=c.split_k,
-                                             EMULATE=False, PDL=pdl),
+                                             EMULATE=False, PDL=pdl, KBS=c.kbs),
             ("xq_ptr", "w8_ptr", "w32_ptr", "y_ptr", "stride_wn"), c.num_warps)))
     return out
 

@@ -442,7 +442,10 @@ else:
     @pytest.mark.parametrize("M,N,blocks,cfg", [(2, 19, 3, dict(block_n=16)), (9, 40, 2, dict(block_n=32, split_k=2)),
                                                 (5, 33, 5, dict(block_n=16, split_k=3, block_m=8)),
                                                 (17, 16, 1, dict(block_n=16, block_m=16)),
-                                                (3, 70, 2, dict(block_n=64, split_k=2, num_stages=2))], ids=str)
+                                                (3, 70, 2, dict(block_n=64, split_k=2, num_stages=2)),
+                                                (4, 24, 5, dict(block_n=16, split_k=2, kbs=2)),
+                                                (8, 48, 3, dict(block_n=32, num_stages=2, kbs=2)),
+                                                (6, 40, 4, dict(block_n=32, kbs=2))], ids=str)
     @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda q: q.name)
     def test_mma_path_within_its_rounding_bound(qtype, M, N, blocks, cfg):
         """Q4_K / Q5_K codes x int8 activations on the tensor cores (``gguf_mma``, nibble masks emulated per byte):
@@ -450,7 +453,8 @@ else:
         output rounding + fp32 sums, far above zero; and, tight, within fp32 rounding of the float64 value of what
         the kernel computes from its own activation codes (scaled codes meet the rounded activations, the min term
         the exact ones), so one wrong nibble, qh bit, scale or sub-block offset fails.  Partial row tiles, split-K,
-        partial activation tiles; ``GemvConfig(mma=True)`` through gguf_linear is the same call."""
+        partial activation tiles, one or two super-blocks per K step (the last step of a split half empty);
+        ``GemvConfig(mma=True)`` through gguf_linear with the other ``kbs`` gives the same bits."""
         from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
         from glm5serve.kernels.gguf_mma import gguf_linear_mma
         from glm5serve.kernels.testing import _q8_part, q8_activation_bound
@@ -469,8 +473,12 @@ else:
         sem = xr @ S.T + x.double() @ (W - S).T
         scale = xr.abs() @ S.abs().T + x.double().abs() @ (W - S).abs().T
         assert ((y.double() - sem).abs() <= 2.0 ** -7 * sem.abs() + FP32_EPS * scale).all()
+        # one or two super-blocks per step sum the same products in the same order, bit-identical where the splits
+        # are the same (a split takes a multiple of kbs blocks)
+        kbs = cfg.get("kbs", 1)
         config = GemvConfig(block_n=cfg["block_n"], split_k=cfg.get("split_k", 1), mma=True,
-                            block_m=cfg.get("block_m", 8 if M <= 8 else 16), stages=cfg.get("num_stages", 1))
+                            block_m=cfg.get("block_m", 8 if M <= 8 else 16), stages=cfg.get("num_stages", 1),
+                            kbs=3 - kbs if -(-blocks // cfg.get("split_k", 1)) % 2 == 0 else kbs)
         assert torch.equal(gguf_linear(x, w, qtype, N, config), y)
 
     def test_mma_path_types_and_shapes_are_checked():
@@ -484,7 +492,7 @@ else:
             gguf_linear_mma(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), Q.Q4_K, 5)
         w4 = torch.zeros(4, 144, dtype=torch.uint8)
         for kw, msg in ((dict(block_m=4), "block_m=4 must be 8 or 16"), (dict(block_n=8), "block_n=8 must be"),
-                        (dict(split_k=0), "split_k=0 must be")):
+                        (dict(split_k=0), "split_k=0 must be"), (dict(kbs=4), "kbs=4 must be 1 or 2")):
             with pytest.raises(ValueError, match=msg):
                 gguf_linear_mma(torch.zeros(2, 256), w4, Q.Q4_K, 4, **kw)
         with pytest.raises(ValueError, match="multiple of 256"):

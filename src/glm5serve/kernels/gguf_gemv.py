@@ -95,7 +95,7 @@ class GemvConfig:
     step ahead, into registers.  ``mma`` (Q4_K and Q5_K, bf16/fp16 x): activations rounded to int8 blocks of 256
     and the codes multiplied on the int8 tensor cores (``gguf_mma``; ignored for fp32 x or ``block_n < 16``), 8
     activation rows per program for ``block_m`` <= 8, else 16, ``stages`` steps of Triton's software pipelining (1:
-    none); ``kbs`` unused (one super-block per step)."""
+    none), min(``kbs``, 2) super-blocks per step."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -893,19 +893,32 @@ def _mma_applies(qtype: int, M: int, nb: int, weight_bytes: int) -> bool:
     return 5 <= M <= MAX_FAST_M or 3 <= M <= 4 and weight_bytes >= MMA_MIN_BYTES_M4[qtype] and nb >= MMA_MIN_BLOCKS_M4
 
 
-def _mma_tile(M: int, N: int, nb: int, sms: int) -> tuple[int, int, int, int]:
-    """(block_n, num_warps, split_k, stages) of the int8 tensor-core GEMM: 64 rows on 2 warps, software-pipelined
+def _mma_tile(M: int, N: int, nb: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(block_n, num_warps, split_k, stages, kbs) of the int8 tensor-core GEMM: 64 rows on 2 warps, software-pipelined
     two deep, split-K to ~4 programs per SM (the fewest splits that reach it, evened out so that none is empty); where
     such tiles with one super-block per program give fewer than 4 programs per SM, 16 rows on 1 warp, no pipelining, ~8
-    programs per SM at up to 8 rows, and 32 rows on 2 warps, two stages, ~4 per SM above.  The session-23 sweep (H200,
-    16/32/64/128 rows, split-K to 2/4/8 programs per SM, 1 or 2 stages): best / this tile, us, Q4_K batch 16: expert
-    gate/up 12.30 / 12.30, down 11.54 / 11.54, q_b/8 7.47 / 7.69, expert gate+up/8 8.19 / 8.52, down/8 4.23 / 4.29;
-    batch 8: gate/up 10.57 / 10.60, down 9.77 / 10.44, q_b/8 6.20 / 6.20, gate+up/8 6.43 / 6.43, down/8 3.46 / 3.46;
-    lm_head/8 52.3 (128 rows, 4 warps, 6-way split) / 55.4."""
+    programs per SM at up to 8 rows, and 32 rows on 2 warps, two stages, two super-blocks per step (rows of >= 2),
+    ~4 per SM above; no split-K above 8 rows where the row tiles alone give >= 2 programs per SM.
+
+    The session-23 sweep (H200, 16/32/64/128 rows, split-K to 2/4/8 programs per SM, 1 or 2 stages): best / this
+    tile, us, Q4_K batch 16: expert gate/up 12.30 / 12.30, down 11.54 / 11.54; batch 8: gate/up 10.57 / 10.60, down
+    9.77 / 10.44, q_b/8 6.20 / 6.20, gate+up/8 6.43 / 6.43, down/8 3.46 / 3.46.  Session 24 (H200, one run, 16/32/64
+    rows x 2 or 3 stages or two super-blocks per step x split-K to 4/8 programs per SM), best / this tile / the
+    session-23 tile, us, Q4_K batch 16: q_b/8 7.80 / 7.80 / 8.04, expert gate+up/8 7.87 / 7.87 / 8.71, down/8 4.21 /
+    4.27 / 4.27, expert gate/up 12.52 / 12.52, down 11.82 / 11.82; Q5_K gate/up 13.52 / 13.69, down 12.52 / 12.52.
+    lm_head/8 (19360 x 6144, 303 row tiles), second run of that session, launched without PDL (``gguf_mma``
+    MMA_PDL_MAX_BLOCKS), 64 rows, split-K 2 / 1 / 4, us: Q4_K batch 4 44.2 / 56.6 / 49.3, batch 8 47.3 / 59.2 / 52.7,
+    batch 16 77.2 / 66.1 / 67.7 (32 rows, 3 stages, no split: 66.3); Q5_K batch 4 49.4 / 57.5 / 53.5, batch 16
+    84.8 / 75.6 / 74.4 (32 rows, 3 stages: 68.6)."""
     small = triton.cdiv(N, 64) * nb < 4 * sms
     block_n, num_warps = (16, 1) if small and M <= 8 else (32, 2) if small else (64, 2)
-    split = min(nb, triton.cdiv((8 if block_n == 16 else 4) * sms, triton.cdiv(N, block_n)))
-    return block_n, num_warps, triton.cdiv(nb, triton.cdiv(nb, split)), 1 if block_n == 16 else 2
+    kbs = 2 if block_n == 32 and nb >= 2 else 1
+    tiles, steps = triton.cdiv(N, block_n), triton.cdiv(nb, kbs)
+    if M > 8 and tiles >= 2 * sms:
+        split = 1
+    else:
+        split = min(steps, triton.cdiv((8 if block_n == 16 else 4) * sms, tiles))
+    return block_n, num_warps, triton.cdiv(steps, triton.cdiv(steps, split)), 1 if block_n == 16 else 2, kbs
 
 
 #: L2 prefetch (``GemvConfig.prefetch``) pays only on large weights.  H200, session 6, same run: lm_head/8
@@ -937,8 +950,8 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     nb = K // BLOCK_SIZES[qtype][0]
     weight_bytes = N * nb * BLOCK_SIZES[qtype][1]
     if _mma_applies(qtype, M, nb, weight_bytes) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu":
-        block_n, num_warps, split, stages = _mma_tile(M, N, nb, sms)
-        return GemvConfig(block_n=block_n, kbs=1, split_k=split, num_warps=num_warps, block_m=8 if M <= 8 else 16,
+        block_n, num_warps, split, stages, kbs = _mma_tile(M, N, nb, sms)
+        return GemvConfig(block_n=block_n, kbs=kbs, split_k=split, num_warps=num_warps, block_m=8 if M <= 8 else 16,
                           mma=True, stages=stages)
     if _q8_applies(qtype, nb) and dtype in (torch.bfloat16, torch.float16) and device_name != "cpu" and (
             1 < M <= Q8_MAX_M or (M == 1 and qtype in (Q4_K, Q5_K) and weight_bytes >= Q8_MIN_BYTES_M1)):
@@ -1118,7 +1131,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         from glm5serve.kernels.gguf_mma import gguf_linear_mma
 
         return gguf_linear_mma(x, qweight, qtype, N, config.block_n, config.split_k, config.num_warps,
-                               8 if config.block_m <= 8 else 16, config.stages)
+                               8 if config.block_m <= 8 else 16, config.stages, kbs=min(config.kbs, 2))
     if config.q8 and _q8_applies(qtype, nb) and x.dtype != torch.float32:
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
 

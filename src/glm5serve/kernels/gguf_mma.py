@@ -47,6 +47,13 @@ from glm5serve.kernels.gguf_gemv import (
 
 MMA_TYPES = frozenset({Q4_K, Q5_K})
 QK_K = 256  # activations per int8 scale (llama.cpp QK_K)
+#: programs of this many super-blocks or more launch without PDL (the quantizer before them too).  H200, session 24,
+#: one run, us, PDL wait / off, 64-row tiles, 2 stages: Q4_K lm_head/8 (19360 x 6144) at batch 4 with 12 / 24 / 6
+#: super-blocks per program (split-K 2 / 1 / 4) 56.4 / 44.2, 70.9 / 56.6, 48.7 / 49.3; batch 8 57.7 / 47.3, 90.8 /
+#: 59.2, 53.0 / 52.7; batch 16 79.9 / 77.2, 74.2 / 66.1, 66.6 / 67.7; Q5_K batch 4 60.0 / 49.4, 75.2 / 57.5, 51.9 /
+#: 53.5; without pipelining (12 per program) a tie, 62.1 / 63.1.  At 2 per program PDL still pays: expert gate/up
+#: 2048 x 6144 Q5_K batch 4 10.9 / 11.8, Q4_K batch 16 12.4 / 13.4.
+MMA_PDL_MAX_BLOCKS = 8
 
 
 @triton.jit
@@ -105,12 +112,10 @@ def _scale_min(h1, h2, h3, SB: tl.constexpr):
 
 
 @triton.jit
-def _step_mma(acc, w8_ptr, w32_ptr, rmask, kb, xq_ptr, xo, xs_ptr, xd_ptr, so, mmask, FIVE: tl.constexpr,
-              EMULATE: tl.constexpr):
-    """Super-block kb of BLOCK_N Q4_K (FIVE: Q5_K) rows (``w8_ptr`` / ``w32_ptr``: [BN] byte / int32 word pointers
-    to the rows) against BLOCK_M activation rows; acc [BN, BM] fp32.  ``xo`` [32, BM]: int8 offsets of element
-    l of each activation row's super-block kb; ``so`` [BM]: offsets of its first 32-block sum, its 256-scale at
-    ``xd_ptr + so // 8``."""
+def _load_mma(w8_ptr, w32_ptr, rmask, kb, FIVE: tl.constexpr):
+    """The bytes of super-block kb of BLOCK_N Q4_K (FIVE: Q5_K) rows (``w8_ptr`` / ``w32_ptr``: [BN] byte / int32
+    word pointers to the rows): the words h0..h3 (d, dmin, 12 scale bytes) [BN] int32, qh [BN, 32] int8 (Q5_K; else
+    0) and the four 32-byte qs chunks [BN, 32] int8."""
     BB: tl.constexpr = 176 if FIVE else 144
     QS: tl.constexpr = 48 if FIVE else 16
     wp = w32_ptr + kb * (BB // 4)
@@ -119,12 +124,24 @@ def _step_mma(acc, w8_ptr, w32_ptr, rmask, kb, xq_ptr, xo, xs_ptr, xd_ptr, so, m
     h2 = tl.load(wp + 2, mask=rmask, other=0)
     h3 = tl.load(wp + 3, mask=rmask, other=0)
     bp = w8_ptr[:, None] + kb * BB + tl.arange(0, 32)[None, :]
-    if FIVE:
-        qh = tl.load(bp + 16, mask=rmask[:, None], other=0)
+    qh = tl.load(bp + 16, mask=rmask[:, None], other=0) if FIVE else 0
+    q0 = tl.load(bp + QS, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+    q1 = tl.load(bp + QS + 32, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+    q2 = tl.load(bp + QS + 64, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+    q3 = tl.load(bp + QS + 96, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+    return h0, h1, h2, h3, qh, q0, q1, q2, q3
+
+
+@triton.jit
+def _math_mma(acc, h0, h1, h2, h3, qh, q0, q1, q2, q3, xq_ptr, xo, xs_ptr, xd_ptr, so, mmask, FIVE: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """acc [BN, BM] fp32 plus one super-block (``_load_mma``'s words) against BLOCK_M activation rows: ``xo`` [32, BM]
+    int8 offsets of element l of each activation row's super-block; ``so`` [BM] offsets of its first 32-block sum,
+    its 256-scale at ``xd_ptr + so // 8``."""
     isum = tl.zeros(acc.shape, dtype=tl.int32)
     msum = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(4):
-        q = tl.load(bp + QS + 32 * j, mask=rmask[:, None], other=0, eviction_policy="evict_first")
+        q = q0 if j == 0 else q1 if j == 1 else q2 if j == 2 else q3
         if FIVE:
             lo = _codes5(q, qh, False, EMULATE)
             hi = _codes5(q, qh, True, EMULATE)
@@ -147,8 +164,10 @@ def _step_mma(acc, w8_ptr, w32_ptr, rmask, kb, xq_ptr, xo, xs_ptr, xd_ptr, so, m
 @triton.jit
 def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, count_ptr, M, N, nb,
                      blocks_per_split, stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
-    """Grid (N tiles, SPLIT_K, M tiles); split-K and PDL as ``gguf_gemv._gemv_kernel``.  w8_ptr / w32_ptr: the
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0,
+                     KBS: tl.constexpr = 1):
+    """Grid (N tiles, SPLIT_K, M tiles); split-K and PDL as ``gguf_gemv._gemv_kernel``; KBS (1 or 2) super-blocks
+    per K step.  w8_ptr / w32_ptr: the
     weight as int8 / int32 (stride_wn in int32 words); xq (M, K) int8, xd (M, K/256), xs (M, K/32) fp32."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,16 +183,28 @@ def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, c
     xo = ms[None, :].to(tl.int64) * (nb * 256) + tl.arange(0, 32)[:, None]
     so = ms.to(tl.int64) * (nb * 8)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb in range(blk_begin, blk_end):
-        acc = _step_mma(acc, w8_ptr + row_words * 4, w32_ptr + row_words, rmask, kb, xq_ptr, xo + kb * 256, xs_ptr,
-                        xd_ptr, so + kb * 8, mmask, QTYPE == 13, EMULATE)
+    w8 = w8_ptr + row_words * 4
+    w32 = w32_ptr + row_words
+    FIVE: tl.constexpr = QTYPE == 13
+    for kb in range(blk_begin, blk_end, KBS):
+        # KBS = 2: both super-blocks' loads are issued before either's math (the layout conversions of the math
+        # hold barriers, which loads do not cross)
+        h0, h1, h2, h3, qh, q0, q1, q2, q3 = _load_mma(w8, w32, rmask, kb, FIVE)
+        if KBS == 2:
+            ok = kb + 1 < blk_end
+            g0, g1, g2, g3, gh, p0, p1, p2, p3 = _load_mma(w8, w32, rmask & ok, kb + 1, FIVE)
+        acc = _math_mma(acc, h0, h1, h2, h3, qh, q0, q1, q2, q3, xq_ptr, xo + kb * 256, xs_ptr, xd_ptr, so + kb * 8,
+                        mmask, FIVE, EMULATE)
+        if KBS == 2:
+            acc = _math_mma(acc, g0, g1, g2, g3, gh, p0, p1, p2, p3, xq_ptr, xo + (kb + 1) * 256, xs_ptr, xd_ptr,
+                            so + (kb + 1) * 8, mmask & ok, FIVE, EMULATE)
     _write_tile(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m,
                 BLOCK_M, SPLIT_K)
 
 
 def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 64, split_k: int = 1,
-                    num_warps: int = 2, block_m: int | None = None, num_stages: int = 1, asm: bool = True
-                    ) -> torch.Tensor:
+                    num_warps: int = 2, block_m: int | None = None, num_stages: int = 1, asm: bool = True,
+                    kbs: int = 1) -> torch.Tensor:
     """y = x @ dequantize(qweight)[:N].T on the int8 tensor cores, x rounded to int8 blocks of 256 (module
     docstring).
 
@@ -184,14 +215,17 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
         N: output features.  block_n (>= 16), split_k, num_warps: launch parameters as ``GemvConfig``.
         block_m: activation rows per program, 8 or 16 (None: 8 for M <= 8, else 16).
         num_stages: Triton's software pipelining of the K loop (1: none).
+        kbs: super-blocks per K step, 1 or 2 (2: both blocks' weight loads are in flight together); a split takes
+            a multiple of kbs super-blocks.
         asm: False unpacks the codes byte by byte instead of four per PTX instruction (always so under the Triton
             interpreter); the results are bit-identical.
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
         ValueError: another type, x not (M, K) bf16/fp16/fp32, K not a multiple of 256, a qweight that is not
-            2-D uint8 or holds too few rows or bytes, bad block_m / block_n / split_k.
-    Capture-safe under CUDA graphs (two launches, no host synchronisation).
+            2-D uint8 or holds too few rows or bytes, bad block_m / block_n / split_k / kbs.
+    Capture-safe under CUDA graphs (two launches, no host synchronisation), with programmatic dependent launch
+    (``gguf_gemv.pdl_value``) where a program takes fewer than MMA_PDL_MAX_BLOCKS super-blocks.
     """
     from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 
@@ -210,20 +244,22 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
         raise ValueError(f"gguf_linear_mma: block_n={block_n!r} must be a power of two >= 16")
     if type(split_k) is not int or split_k < 1:
         raise ValueError(f"gguf_linear_mma: split_k={split_k!r} must be an int >= 1")
+    if kbs not in (1, 2):
+        raise ValueError(f"gguf_linear_mma: kbs={kbs!r} must be 1 or 2")
     if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
         x = x.contiguous()
     nb = K // QK_K
-    blocks_per_split = triton.cdiv(nb, split_k)
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, split_k), kbs) * kbs
     split = triton.cdiv(nb, blocks_per_split)
-    pdl = pdl_value(x.device, blocks_per_split)
+    pdl = pdl_value(x.device, blocks_per_split) if blocks_per_split < MMA_PDL_MAX_BLOCKS else 0
     w = _as_words(qweight, qtype, unit=4)
     xq, xd, xs = quantize_activations(x, pdl=bool(pdl), scale_block=QK_K)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     y, part, counters = _split_outputs(x, N, grid, block_m)
     _gemm_mma_kernel[grid](xq, xd, xs, w.view(torch.int8), w, y, part, counters, M, N, nb, blocks_per_split,
                            w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
-                           EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, num_warps=num_warps,
+                           EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, KBS=kbs, num_warps=num_warps,
                            num_stages=num_stages, **pdl_launch(pdl))
     return y
