@@ -831,7 +831,11 @@ Q8_TYPES = frozenset({Q4_K, Q5_K, Q6_K})
 #: Batch 1, session 13, same run, 8 / 16 rows per program: Q4_K gate/up 7.6 / 8.2, down 6.4 / 7.4, lm_head/8 32.6 /
 #: 36.3; Q5_K gate/up 10.0 / 10.6, down 8.8 / 9.4, lm_head/8 51.9 / 58.1 (at 2..4 rows 16 stayed best: Q4_K lm_head/8
 #: batch 4 62.0 against 63.6; session 22 replaced those batch-1 tiles).  Q6_K at 2..4 rows on weights of many rows:
-#: ``_Q8_MANY_ROWS_TILE`` instead.
+#: ``_Q8_MANY_ROWS_TILE`` instead.  Session 24 (H200, one run, batch 4: 8/16/32 rows, kbs 2/4, 1/2/4 warps, split-K to
+#: 2/4/8 programs per SM, with and without ``ahead``; 14-46 launches per shape), best / this tile / bf16 cuBLAS, us:
+#: Q5_K expert down 10.03 (this tile, the production launch measured 9.85 in the same run) / 9.85 / 9.34, gate/up
+#: 11.08 (8 rows, 2 warps, ahead) / 10.86 (``gguf_mma``) / 11.80; Q4_K down 8.09 (8 rows, 1 warp) / 8.24 / 9.34,
+#: gate/up 9.50 (8 rows, 2 warps, 2-way split, ahead) / 9.69 / 11.80: within 2 %, so the tiles stay.
 _Q8_TILE = {Q4_K: ((16, 4, 2, 4),), Q5_K: ((16, 4, 2, 4),), Q6_K: ((64, 2, 8, 4), (8, 4, 8, 2))}
 #: (block_n, kbs, num_warps) of the int8-activation kernel at 2..4 rows where cdiv(N, block_n) row tiles alone give
 #: >= 2 programs per SM (so no split-K).  H200, session 14, same run, Q6_K at batch 4 (8 rows, kbs 4, 2 warps / the
