@@ -298,7 +298,7 @@ class _Launches:
         self.name, self.log = name, log
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.log.append((self.name, kwargs))
+        return lambda *args, **kwargs: self.log.append((self.name, {**kwargs, "args": args}))
 
 
 def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
@@ -320,7 +320,7 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
              lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(kbs=1, split_k=2, q8=True)),  # quantizer + int8 GEMV
              lambda: gguf_linear(x, q40, gguf_split.split_type(gguf_gemv.Q4_0), N,
                                  GemvConfig(block_n=16, kbs=4, split_k=2, q8=True)),  # quantizer + split rows
-             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(block_n=16, split_k=2, mma=True))]  # + tensor cores
+             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(block_n=16, kbs=1, split_k=2, mma=True))]  # + int8 MMA
     long_k = 2 * gguf_mma.MMA_PDL_MAX_BLOCKS * 256  # split in 2: programs of MMA_PDL_MAX_BLOCKS super-blocks
     x_long, q4k_long = torch.randn(2, long_k).to(torch.bfloat16), torch.zeros(N, long_k // 256 * 144, dtype=torch.uint8)
     long_programs = [lambda: gguf_linear(x_long, q4k_long, Q4_K, N, GemvConfig(block_n=16, split_k=1, mma=True)),
@@ -341,3 +341,13 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
             pdl = mode != "off" and call not in long_programs
             for name, kw in log:
                 assert bool(kw.get("launch_pdl")) == (int(kw["PDL"]) > 0) == pdl, (mode, name, kw)
+    # the tensor-core GEMM runs pick_config's kbs, splits of whole K steps, as many as pick_config asked for
+    for M, n, k in ((16, 2048, 2048), (16, 512, 6144), (8, 2048, 6144), (16, 19360, 6144), (16, 6144, 256)):
+        cfg = gguf_gemv.pick_config(Q4_K, M, n, k, 132, torch.bfloat16, "")
+        log.clear()
+        gguf_linear(torch.randn(M, k).to(torch.bfloat16), torch.zeros(n, k // 256 * 144, dtype=torch.uint8), Q4_K,
+                    n, cfg)
+        (_, kw), = [e for e in log if e[0] == "_gemm_mma_kernel"]
+        nb, blocks_per_split = kw["args"][10:12]
+        assert cfg.mma and kw["KBS"] == cfg.kbs and blocks_per_split % cfg.kbs == 0, (cfg, kw)
+        assert kw["SPLIT_K"] == -(-nb // blocks_per_split) == cfg.split_k, (cfg, nb, blocks_per_split)

@@ -95,7 +95,7 @@ class GemvConfig:
     step ahead, into registers.  ``mma`` (Q4_K and Q5_K, bf16/fp16 x): activations rounded to int8 blocks of 256
     and the codes multiplied on the int8 tensor cores (``gguf_mma``; ignored for fp32 x or ``block_n < 16``), 8
     activation rows per program for ``block_m`` <= 8, else 16, ``stages`` steps of Triton's software pipelining (1:
-    none), min(``kbs``, 2) super-blocks per step."""
+    none), min(``kbs``, 2) super-blocks per step (so the default ``kbs`` takes two)."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1

@@ -166,9 +166,9 @@ def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, c
                      blocks_per_split, stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0,
                      KBS: tl.constexpr = 1):
-    """Grid (N tiles, SPLIT_K, M tiles); split-K and PDL as ``gguf_gemv._gemv_kernel``; KBS (1 or 2) super-blocks
-    per K step.  w8_ptr / w32_ptr: the
-    weight as int8 / int32 (stride_wn in int32 words); xq (M, K) int8, xd (M, K/256), xs (M, K/32) fp32."""
+    """Grid (N tiles, SPLIT_K, M tiles); split-K and the PDL protocol as ``gguf_gemv._gemv_kernel`` (whether it is
+    launched with PDL: ``gguf_linear_mma``); KBS (1 or 2) super-blocks per K step.  w8_ptr / w32_ptr: the weight as
+    int8 / int32 (stride_wn in int32 words); xq (M, K) int8, xd (M, K/256), xs (M, K/32) fp32."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
