@@ -213,7 +213,10 @@ def test_split_rows_glm5_shapes_production_config(qtype, shape, M):
     W = dequantize(w, qtype, dtype=torch.float32).double()
     ref, bound = (x.double() @ W.T).cpu(), (x.double().abs() @ W.abs().T).cpu()
     served, stype = split_rows(w, qtype, K), split_type(qtype)
-    q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double()).cpu()
+    # Q6_K on the tensor cores (9..16 rows) rounds x in blocks of 256
+    blk = 256 if qtype == Q.Q6_K and pick_split_config(stype, M, N, K).mma else 32
+    q8 = q8_activation_bound(x, w, qtype, lambda r, q: dequantize(r, q, dtype=torch.float32).double(),
+                             block=blk).cpu()
     _assert_close(gguf_linear(x, served, stype, N), ref, bound, 2.0 ** -16, f"{qtype.name}/split {shape} M={M}",
                   extra=q8)
 
@@ -223,12 +226,16 @@ def test_split_rows_glm5_shapes_production_config(qtype, shape, M):
 def test_split_rows_dp4a_equals_its_emulation_and_graphs_replay(qtype, M):
     """The split-row GEMV's dp4a (PTX) and its shift-and-multiply emulation (the interpreter tests') give
     bit-identical outputs on the GPU (production tile, split-K, a partial row tile), as do loads one step ahead, and
-    a CUDA-graph replay equals the eager call on fresh inputs."""
+    a CUDA-graph replay equals the eager call on fresh inputs.  At 16 rows production is the tensor-core GEMM
+    (Q8_0/Q4_0/Q6_K, ``gguf_mma.gguf_linear_split_mma``): its packed code unpacking against its per-byte emulation,
+    also on a second tile with pipelining and split-K."""
     N, K = 301, 64 * 32
     x, w, _, _ = _linear_case(qtype, M, N, K, torch.bfloat16, seed=120 + M)
     s, stype = split_rows(w, qtype, K), split_type(qtype)
-    tiles = GemvConfig(block_n=32, kbs=4, split_k=3, block_m=M if M in (1, 8, 16) else 4, q8=True)
-    for cfg in (pick_split_config(stype, M, N, K), tiles):
+    tiles = [GemvConfig(block_n=32, kbs=4, split_k=3, block_m=M if M in (1, 8, 16) else 4, q8=True)]
+    if pick_split_config(stype, M, N, K).mma:
+        tiles.append(GemvConfig(block_n=32, kbs=2, split_k=5, num_warps=2, q8=True, mma=True, stages=2))
+    for cfg in (pick_split_config(stype, M, N, K), *tiles):
         y = gguf_linear_split(x, s, stype, N, cfg)
         assert torch.equal(y, gguf_linear_split(x, s, stype, N, cfg, dp4a=False))
         assert torch.equal(y, gguf_linear_split(x, s, stype, N, dataclasses.replace(cfg, ahead=not cfg.ahead)))

@@ -310,7 +310,7 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
     log: list = []
     for mod, name in ((gguf_gemv, "_gemv_kernel"), (gguf_gemv_q8, "_quantize_x_kernel"),
                       (gguf_gemv_q8, "_gemv_q8_kernel"), (gguf_split, "_gemv_split_kernel"),
-                      (gguf_mma, "_gemm_mma_kernel")):
+                      (gguf_mma, "_gemm_mma_kernel"), (gguf_mma, "_gemm_split_mma_kernel")):
         monkeypatch.setattr(mod, name, _Launches(name, log))
     N, K = 32, 512
     x = torch.randn(2, K).to(torch.bfloat16)
@@ -320,7 +320,9 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
              lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(kbs=1, split_k=2, q8=True)),  # quantizer + int8 GEMV
              lambda: gguf_linear(x, q40, gguf_split.split_type(gguf_gemv.Q4_0), N,
                                  GemvConfig(block_n=16, kbs=4, split_k=2, q8=True)),  # quantizer + split rows
-             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(block_n=16, kbs=1, split_k=2, mma=True))]  # + int8 MMA
+             lambda: gguf_linear(x, q4k, Q4_K, N, GemvConfig(block_n=16, kbs=1, split_k=2, mma=True)),  # + int8 MMA
+             lambda: gguf_linear(x, q40, gguf_split.split_type(gguf_gemv.Q4_0), N,
+                                 GemvConfig(block_n=16, kbs=4, split_k=2, q8=True, mma=True))]  # split rows, MMA
     long_k = 2 * gguf_mma.MMA_PDL_MAX_BLOCKS * 256  # split in 2: programs of MMA_PDL_MAX_BLOCKS super-blocks
     x_long, q4k_long = torch.randn(2, long_k).to(torch.bfloat16), torch.zeros(N, long_k // 256 * 144, dtype=torch.uint8)
     long_programs = [lambda: gguf_linear(x_long, q4k_long, Q4_K, N, GemvConfig(block_n=16, split_k=1, mma=True)),
@@ -336,7 +338,8 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
             call()
             assert [n for n, _ in log] in (["_gemv_kernel"], ["_quantize_x_kernel", "_gemv_q8_kernel"],
                                            ["_quantize_x_kernel", "_gemv_split_kernel"],
-                                           ["_quantize_x_kernel", "_gemm_mma_kernel"])
+                                           ["_quantize_x_kernel", "_gemm_mma_kernel"],
+                                           ["_quantize_x_kernel", "_gemm_split_mma_kernel"])
             # the tensor-core GEMM's programs of MMA_PDL_MAX_BLOCKS super-blocks or more launch without PDL
             pdl = mode != "off" and call not in long_programs
             for name, kw in log:
@@ -351,3 +354,17 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
         nb, blocks_per_split = kw["args"][10:12]
         assert cfg.mma and kw["KBS"] == cfg.kbs and blocks_per_split % cfg.kbs == 0, (cfg, kw)
         assert kw["SPLIT_K"] == -(-nb // blocks_per_split) == cfg.split_k, (cfg, nb, blocks_per_split)
+    # split rows at 9..16 rows run pick_split_config's tensor-core launch: its groups per step and split count
+    for qtype, M, n, k in ((gguf_gemv.Q6_K, 16, 2048, 6144), (gguf_gemv.Q4_0, 9, 6144, 2048),
+                           (gguf_gemv.Q8_0, 12, 512, 6144)):
+        stype = gguf_split.split_type(qtype)
+        cfg = gguf_split.pick_split_config(stype, M, n, k, 132)
+        rows = gguf_split.split_rows(torch.zeros(n, k // gguf_gemv.BLOCK_SIZES[qtype][0] *
+                                                 gguf_gemv.BLOCK_SIZES[qtype][1], dtype=torch.uint8), qtype, k)
+        log.clear()
+        gguf_linear(torch.randn(M, k).to(torch.bfloat16), rows, stype, n, cfg)
+        (_, kw), = [e for e in log if e[0] == "_gemm_split_mma_kernel"]
+        ng, per_split = kw["args"][8:10]
+        assert cfg.mma and kw["GROUPS"] == cfg.kbs and per_split % cfg.kbs == 0 and kw["BLOCK_M"] == 16, (cfg, kw)
+        assert kw["SPLIT_K"] == -(-ng // per_split) == cfg.split_k and kw["num_warps"] == cfg.num_warps, (cfg, kw)
+        assert kw["num_stages"] == cfg.stages and kw["QTYPE"] == qtype, (cfg, kw)

@@ -333,6 +333,42 @@ def test_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, M, N, K):
     assert per_weight <= MMA_BUDGET[qtype], (per_weight, ops.most_common(10))
 
 
+
+#: Max SASS instructions per weight in the K loop of the split-row tensor-core GEMM at 16 rows: measured (Triton 3.8)
+#: Q8_0 3.38 (lm_head's 64 rows, 2 warps) / 5.11 (gate/up's 4 warps, 2 stages), Q4_0 3.92 / 6.09, Q6_K 4.60 / 5.67,
+#: plus ~15 % (dp4a split rows at 16 rows: ``SPLIT_BUDGET``)
+SPLIT_MMA_BUDGET = {g.Q8_0: 5.9, g.Q4_0: 7.0, g.Q6_K: 6.6}
+
+
+@pytest.mark.parametrize("N", (2048, 19360))
+@pytest.mark.parametrize("qtype", sorted(SPLIT_MMA_BUDGET), ids=lambda q: g._NAMES[q])
+def test_split_rows_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, N):
+    """The split-row tensor-core GEMM at pick_split_config's 16-row launch (expert gate/up and lm_head/8): s8 x s8
+    MMAs in the K loop (Q8_0 one per 16 x 8 x 32 product, Q4_0 / Q6_K two: each code tile meets two half-masked
+    activation tiles), no spills, and SPLIT_MMA_BUDGET instructions per weight at most."""
+    sp = importlib.import_module("glm5serve.kernels.gguf_split")
+    from glm5serve.kernels import gguf_mma
+
+    cfg = sp.pick_split_config(sp.split_type(qtype), 16, N, 6144, 132)
+    assert cfg.mma, cfg
+    sig = dict(xq_ptr="*i8", xd_ptr="*fp32", w_ptr="*i8", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32",
+               M="i32", N="i32", ng="i32", groups_per_split="i32", stride_wn="i32", stride_ym="i32")
+    kernel = gguf_mma._gemm_split_mma_kernel
+    const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=1,
+                 GROUPS=cfg.kbs)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("xq_ptr", "w_ptr", "y_ptr",
+                                                                                "stride_wn", "ng")}
+    src = ASTSource(kernel, {n: ("constexpr" if n in const else sig[n]) for n in kernel.arg_names}, const, attrs)
+    sass, usage = _sass(triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.stages)))
+    ops = collections.Counter(_loop_body(sass))
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
+    imma = cfg.kbs * cfg.block_n * cfg.block_m // (16 * 8 * cfg.num_warps) * (1 if qtype == g.Q8_0 else 2)
+    assert ops["IMMA.16832.S8.S8.SAT"] == imma or any(o.startswith("IGMMA") for o in ops), ops.most_common(12)
+    weights = cfg.kbs * cfg.block_n * 32 / (32 * cfg.num_warps)  # per thread and K step
+    per_weight = sum(ops.values()) / weights
+    assert per_weight <= SPLIT_MMA_BUDGET[qtype], (per_weight, ops.most_common(10))
+
 def test_moe_q8_kernels_use_dp4a_without_spills():
     """The per-pair MoE's int8-activation kernels (Q4_K gate+up with MOE_Q8_GATE_UP_BLOCK_N rows, down with 16,
     MOE_Q8_KBS super-blocks per step): two IDP.4A per weight word in each K loop (gate+up has two loops), no
@@ -374,13 +410,20 @@ SPLIT_BUDGET = {g.Q8_0: (2.6, 3.0, 4.4, 5.9, 9.5), g.Q4_0: (2.45, 2.0, 3.0, 5.6,
                 g.Q5_0: (3.85, 3.9, 5.3, 7.5, 10.4), g.Q6_K: (3.95, 3.7, 4.9, 8.1, 12.9)}
 
 
+def _split_dp4a_config(sp, qtype: int, M: int):
+    """pick_split_config's dp4a launch at M rows; from SPLIT_MMA_MIN_M rows, where Q8_0 / Q4_0 / Q6_K go to the
+    tensor cores, the same tile given explicitly (the dp4a kernel still runs it, and Q5_0 there)."""
+    tile = sp._SPLIT_TILE[qtype][2] if M >= sp.SPLIT_MMA_MIN_M else None
+    return sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132, tile)
+
+
 @pytest.mark.parametrize("M", (1, 2, 4, 8, 16))
 @pytest.mark.parametrize("qtype", sorted(SPLIT_BUDGET), ids=lambda q: g._NAMES[q])
 def test_split_rows_kernel_uses_dp4a_within_budget(qtype, M):
     """The split-row GEMV at pick_split_config's launch: one IDP.4A per 4 weights and activation row in the K loop
     (the codes are consecutive int32 words), 16-byte weight loads, no spills, no shuffles, and the budget above."""
     sp = importlib.import_module("glm5serve.kernels.gguf_split")
-    c = sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132)
+    c = _split_dp4a_config(sp, qtype, M)
     sig = dict(xw_ptr="*i32", xd_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
                count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
     k = _compile(sp._gemv_split_kernel, sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs,
@@ -422,7 +465,7 @@ def test_split_rows_dequant_kernel_compiles_without_spills():
 
 def _split_kernel(qtype: int, M: int, pdl: int = 0):
     sp = importlib.import_module("glm5serve.kernels.gguf_split")
-    c = sp.pick_split_config(sp.split_type(qtype), M, 2048, 6144, 132)
+    c = _split_dp4a_config(sp, qtype, M)
     sig = dict(xw_ptr="*i32", xd_ptr="*fp32", w_ptr="*i32", y_ptr="*bf16", part_ptr="*fp32",
                count_ptr="*i32", M="i32", N="i32", nb="i32", blocks_per_split="i32", stride_wn="i32", stride_ym="i32")
     return _compile(sp._gemv_split_kernel, sig, dict(QTYPE=qtype, BLOCK_M=c.block_m, BLOCK_N=c.block_n, KBS=c.kbs,

@@ -518,6 +518,68 @@ else:
         _check(gguf_linear(x, w, Q.Q8_0, 5, GemvConfig(mma=True)), ref, bound, rel_out=2.0 ** -7, rel_sum=2.0 ** -7,
                what="Q8_0 with mma=True")
 
+    @pytest.mark.parametrize("M,N,ng,cfg", [(3, 19, 6, dict(block_n=16, groups=4)),
+                                            (9, 40, 32, dict(block_n=32, split_k=2, num_stages=2)),
+                                            (17, 16, 48, dict(block_n=16, split_k=3, groups=2)),
+                                            (12, 70, 10, dict(block_n=64, split_k=2, groups=4)),
+                                            (5, 33, 16, dict(block_n=16, block_m=8))], ids=str)
+    @pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_0, Q.Q6_K), ids=lambda q: q.name)
+    def test_split_rows_mma_within_its_rounding_bound(qtype, M, N, ng, cfg):
+        """Split rows on the int8 tensor cores (``gguf_mma.gguf_linear_split_mma``, code unpacking emulated per
+        byte): within the activation rounding bound (blocks of 32; Q6_K 256) and, tight, within fp32 rounding of the
+        float64 value of what the kernel computes from its own activation codes (fp32 x and output), so one wrong
+        nibble, qh bit, scale, gathered activation or masked half fails.  Partial row and activation tiles, split-K,
+        steps of 2..8 groups whose last one is part empty (Q8_0/Q4_0, ng 6 and 10), the weight followed by 0xFF rows
+        (NaN scales if a read escapes its masks); ``gguf_linear`` with an ``mma`` config is the same call."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+        from glm5serve.kernels.gguf_mma import gguf_linear_split_mma
+        from glm5serve.kernels.gguf_split import split_rows, split_type
+        from glm5serve.kernels.testing import q8_activation_bound
+
+        if qtype == Q.Q6_K:  # 8 groups per step, rows of an even number of 256-blocks
+            K, cfg = 512 * -(-ng // 16), {k: v for k, v in cfg.items() if k != "groups"}
+        else:
+            K = 32 * ng
+        x, w, ref, bound = _case(qtype, M=M, N=N, K=K, seed=70 + N, dtype=torch.float32)
+        s = split_rows(torch.cat([w, torch.full_like(w, 0xFF)]), qtype, K)[:N]
+        stype = split_type(qtype)
+        y = gguf_linear_split_mma(x, s, stype, N, **cfg)
+        blk = 256 if qtype == Q.Q6_K else 32
+        q8 = q8_activation_bound(x, w, qtype, block=blk)
+        err = (y.double() - ref).abs()
+        assert (err <= q8 + FP32_EPS * bound).all(), (err / q8).max()
+        assert (q8 > 1e-3 * bound).all()
+        xq, xd, _ = quantize_activations(x, scale_block=blk)
+        xr = (xq.double().view(M, -1, blk) * xd.double()[..., None]).view(M, -1)
+        W = dequant(w, qtype)
+        sem = xr @ W.T
+        assert ((y.double() - sem).abs() <= FP32_EPS * (xr.abs() @ W.abs().T)).all()
+        config = GemvConfig(block_n=cfg["block_n"], kbs=cfg.get("groups", 8), split_k=cfg.get("split_k", 1),
+                            num_warps=4, q8=True, mma=True, stages=cfg.get("num_stages", 1))
+        assert torch.equal(gguf_linear(x, s, stype, N, config),
+                           gguf_linear_split_mma(x, s, stype, N, **{**cfg, "num_warps": 4}))
+
+    def test_split_rows_mma_refuses_what_it_cannot_run():
+        from glm5serve.kernels.gguf_mma import gguf_linear_split_mma
+        from glm5serve.kernels.gguf_split import split_type
+
+        x = torch.zeros(2, 512)
+        with pytest.raises(ValueError, match="Q5_0/split has no split-row tensor-core kernel"):
+            gguf_linear_split_mma(x, torch.zeros(4, 16 * 22, dtype=torch.uint8), split_type(Q.Q5_0), 4)
+        with pytest.raises(ValueError, match="Q4_0 has no split-row tensor-core kernel"):
+            gguf_linear_split_mma(x, torch.zeros(4, 16 * 18, dtype=torch.uint8), Q.Q4_0, 4)
+        q40 = torch.zeros(4, 16 * 18, dtype=torch.uint8)
+        for kw, msg in ((dict(groups=1), "groups=1 must be"), (dict(block_m=4), "block_m=4 must be 8 or 16"),
+                        (dict(block_n=8), "block_n=8 must be"), (dict(split_k=0), "split_k=0 must be")):
+            with pytest.raises(ValueError, match=msg):
+                gguf_linear_split_mma(x, q40, split_type(Q.Q4_0), 4, **kw)
+        with pytest.raises(ValueError, match="groups=4 must be"):
+            gguf_linear_split_mma(x, torch.zeros(4, 420, dtype=torch.uint8), split_type(Q.Q6_K), 4, groups=4)
+        with pytest.raises(ValueError, match="does not hold 5 uint8 rows"):
+            gguf_linear_split_mma(x, q40, split_type(Q.Q4_0), 5)
+        with pytest.raises(ValueError, match="x must be .M, K. bf16/fp16/fp32"):
+            gguf_linear_split_mma(x.to(torch.int8), q40, split_type(Q.Q4_0), 4)
+
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)
         with pytest.raises(ValueError, match="unsupported GGML type"):

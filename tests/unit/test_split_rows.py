@@ -121,7 +121,8 @@ def test_bad_input_is_refused_in_one_line():
     (Q.Q4_0, 1, 2048, 16384, (4, 64, 1, 4, 1)),    # 512 blocks per row: steps of at most 64
     (Q.Q4_0, 3, 2048, 6144, (64, 16, 12, 4, 4)),   # 128 row tiles of 16 rows: 32 of 64 rows, split-K over 12 steps
     (Q.Q4_0, 4, 6144, 2048, (16, 32, 1, 4, 4)),    # 384 row tiles of 16 rows
-    (Q.Q8_0, 16, 2048, 6144, (16, 16, 3, 4, 16)),  # 2 programs per SM aimed at from 5 rows
+    (Q.Q8_0, 8, 2048, 6144, (16, 16, 3, 4, 8)),    # 2 programs per SM aimed at from 5 rows
+    (Q.Q5_0, 16, 2048, 6144, (32, 8, 5, 4, 16)),   # no tensor-core kernel for Q5_0: dp4a at 9..16 rows too
     (Q.Q5_0, 4, 512, 6144, (64, 4, 48, 4, 4)),
     (Q.Q5_0, 8, 6144, 2048, (32, 8, 2, 4, 8)),
     (Q.Q4_0, 1, 7, 64, (8, 2, 1, 4, 1)),           # kbs capped to the row's 2 blocks
@@ -131,11 +132,11 @@ def test_bad_input_is_refused_in_one_line():
     (Q.Q6_K, 4, 6144, 2048, (8, 32, 1, 2, 4)),     # 768 row tiles fill the GPU
     (Q.Q6_K, 4, 19360, 6144, (8, 32, 1, 2, 4)),    # 2420 row tiles of 8 rows: >= 8 per SM
     (Q.Q5_0, 1, 512, 6144, (64, 8, 24, 4, 1)),     # 8 row tiles: split-K over all 24 K steps
-    (Q.Q6_K, 16, 2048, 6144, (64, 4, 8, 4, 16)),
+    (Q.Q6_K, 8, 2048, 6144, (64, 4, 8, 4, 8)),
 ])
 def test_pick_split_config_examples(qtype, M, N, K, expect):
     c = pick_split_config(split_type(qtype), M, N, K, 132)
-    assert c.q8 and (c.block_n, c.kbs, c.split_k, c.num_warps, c.block_m) == expect, c
+    assert c.q8 and not c.mma and (c.block_n, c.kbs, c.split_k, c.num_warps, c.block_m) == expect, c
     # loads one step ahead on the row tiles of 4 (and legacy types' 16) rows at 1..4 activation rows (measured
     # slower with split-K and on Q6_K's 8-row tiles)
     assert c.ahead == (M <= 4 and c.split_k == 1 and (c.block_n == 4 or (c.block_n == 16 and qtype != Q.Q6_K))), c
@@ -146,6 +147,23 @@ def test_pick_split_config_examples(qtype, M, N, K, expect):
         assert (t.block_n, t.kbs, t.num_warps, t.block_m) == expect[:2] + expect[3:] and t.q8
     assert pick_split_config(split_type(qtype), M, N, K, 132, (bn, kbs, 8, warps)).split_k >= \
         pick_split_config(split_type(qtype), M, N, K, 132, (bn, kbs, 2, warps)).split_k
+
+
+@pytest.mark.parametrize("qtype,M,N,K,expect", [
+    # (block_n, kbs = groups per step, split_k, num_warps, stages)
+    (Q.Q6_K, 16, 2048, 6144, (64, 8, 12, 4, 2)),   # 32 row tiles, 24 steps: ~4 programs per SM -> 12 splits of 2
+    (Q.Q8_0, 9, 6144, 2048, (64, 8, 4, 4, 2)),     # 96 row tiles, 8 steps: 6 per SM would be 8, 4 splits of 2
+    (Q.Q4_0, 12, 512, 6144, (64, 8, 24, 4, 2)),    # 8 row tiles: a split per step
+    (Q.Q6_K, 16, 19360, 6144, (64, 8, 1, 2, 1)),   # 303 row tiles >= 2 per SM: no split, 2 warps, no pipelining
+    (Q.Q4_0, 16, 2048, 64, (64, 8, 1, 4, 2)),      # 2 groups: one step
+])
+def test_pick_split_config_takes_the_tensor_cores_from_9_rows(qtype, M, N, K, expect):
+    """Q8_0 / Q4_0 / Q6_K split rows at 9..16 rows: the int8 tensor-core launch (``gguf_split._split_mma_config``);
+    8 rows and an explicit tile stay on dp4a."""
+    c = pick_split_config(split_type(qtype), M, N, K, 132)
+    assert c.mma and c.q8 and c.block_m == 16 and (c.block_n, c.kbs, c.split_k, c.num_warps, c.stages) == expect, c
+    assert not pick_split_config(split_type(qtype), 8, N, K, 132).mma
+    assert not pick_split_config(split_type(qtype), M, N, K, 132, (16, 16, 2, 4)).mma
 
 
 class _Types:

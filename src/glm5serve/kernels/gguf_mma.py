@@ -23,6 +23,13 @@ The min term uses the exact fp32 sums of each 32 activations (as ``gguf_gemv_q8`
 The K loop costs ~2.6 (8 activation rows) / ~3.6 (16) SASS instructions per weight for Q4_K on sm_90, about the
 same at 2 rows as at 8: padded activation rows cost tensor-core cycles, not instructions
 (``tests/unit/test_kernels_compile.py``).
+
+Split rows (``gguf_split``: Q8_0, Q4_0 and Q6_K regrouped at load) take the same tensor cores at 9-16 rows
+(``gguf_linear_split_mma``), where their dp4a GEMV pays ~0.5 instruction per weight and activation row.  Their
+weight scales are per 32 elements (Q6_K: an int8 scale per 16, so integer sums per 256 as above), and an int8 MMA
+takes K >= 32, so a Q4_0 / Q6_K code tile holds the low nibbles of two groups (32 qs bytes) and meets activation
+tiles with the other group's half zeroed (``_step_split_mma``): no byte shuffles, twice the MMAs.  The activations
+are rounded per 32 (Q6_K: per 256) as ``gguf_split``'s dp4a path rounds them (Q6_K: as above).
 """
 from __future__ import annotations
 
@@ -31,13 +38,17 @@ import triton
 import triton.language as tl
 
 from glm5serve.kernels.gguf_gemv import (
+    Q4_0,
     Q4_K,
     Q5_K,
+    Q6_K,
+    Q8_0,
     _NAMES,
     _as_words,
     _check,
     _f16_hi,
     _f16_lo,
+    _gdc_wait,
     _pdl_prologue,
     _split_outputs,
     _write_tile,
@@ -46,6 +57,7 @@ from glm5serve.kernels.gguf_gemv import (
 )
 
 MMA_TYPES = frozenset({Q4_K, Q5_K})
+SPLIT_MMA_TYPES = frozenset({Q8_0, Q4_0, Q6_K})  # split-row types (base ids) of ``gguf_linear_split_mma``
 QK_K = 256  # activations per int8 scale (llama.cpp QK_K)
 #: programs of this many super-blocks or more launch without PDL (the quantizer before them too).  H200, session 24,
 #: one run, us, PDL wait / off, 64-row tiles, 2 stages: Q4_K lm_head/8 (19360 x 6144) at batch 4 with 12 / 24 / 6
@@ -202,6 +214,18 @@ def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, c
                 BLOCK_M, SPLIT_K)
 
 
+def _tile_args(fn: str, M: int, block_m: int | None, block_n: int, split_k: int) -> int:
+    """Check the tile arguments of ``fn``; returns block_m (None: 8 for M <= 8, else 16).  Raises ValueError."""
+    block_m = block_m or (8 if M <= 8 else 16)
+    if block_m not in (8, 16):
+        raise ValueError(f"{fn}: block_m={block_m!r} must be 8 or 16")
+    if type(block_n) is not int or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{fn}: block_n={block_n!r} must be a power of two >= 16")
+    if type(split_k) is not int or split_k < 1:
+        raise ValueError(f"{fn}: split_k={split_k!r} must be an int >= 1")
+    return block_m
+
+
 def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, block_n: int = 64, split_k: int = 1,
                     num_warps: int = 2, block_m: int | None = None, num_stages: int = 1, asm: bool = True,
                     kbs: int = 1) -> torch.Tensor:
@@ -237,13 +261,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
         raise ValueError(f"gguf_linear_mma: qweight must be (rows, bytes), got shape {tuple(qweight.shape)}")
     K = _check(x, qweight, qtype, N)
     M = x.shape[0]
-    block_m = block_m or (8 if M <= 8 else 16)
-    if block_m not in (8, 16):
-        raise ValueError(f"gguf_linear_mma: block_m={block_m!r} must be 8 or 16")
-    if type(block_n) is not int or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"gguf_linear_mma: block_n={block_n!r} must be a power of two >= 16")
-    if type(split_k) is not int or split_k < 1:
-        raise ValueError(f"gguf_linear_mma: split_k={split_k!r} must be an int >= 1")
+    block_m = _tile_args("gguf_linear_mma", M, block_m, block_n, split_k)
     if kbs not in (1, 2):
         raise ValueError(f"gguf_linear_mma: kbs={kbs!r} must be 1 or 2")
     if M == 0 or N == 0 or K == 0:
@@ -262,4 +280,198 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
                            w.stride(0), y.stride(0), QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
                            EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, KBS=kbs, num_warps=num_warps,
                            num_stages=num_stages, **pdl_launch(pdl))
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split rows (``gguf_split``) on the int8 tensor cores
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _codes_q4_0(q, HI: tl.constexpr, EMULATE: tl.constexpr):
+    """16 (u - 8) as int8 for the low (HI: high) nibbles u of split-row Q4_0 bytes q: u ^ 8 read as a 4-bit two's
+    complement number is u - 8 (``gguf_split._step_split``), moved to the top of its byte.  Four codes per LOP3
+    (plus a shift for the low nibbles).  EMULATE: per byte, for the interpreter."""
+    if EMULATE:
+        u = (q.to(tl.int32) >> 4) & 15 if HI else q.to(tl.int32) & 15
+        return ((u ^ 8) << 4).to(tl.int8)
+    if HI:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6a;", "=r,r", [q],
+                                         dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise("{ .reg .b32 t; shl.b32 t, $1, 4; lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6a; }",
+                                     "=r,r", [q], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _codes_q6_split(qs, qh, sh, HI: tl.constexpr, EMULATE: tl.constexpr):
+    """4 (u - 32) as int8 for Q6_K split-row codes: the low (HI: high) nibbles of qs bytes, with their top two bits
+    from the qh bytes shifted left by sh (int8, the same in the four bytes of a word) to bits 6-7 (``gguf_split``'s
+    layout, ``_step_split``); u ^ 32 as a 6-bit two's complement number is u - 32, top-aligned in its byte."""
+    if EMULATE:
+        nib = (qs.to(tl.int32) >> 2) & 0x3C if HI else (qs.to(tl.int32) << 2) & 0x3C
+        return ((nib | ((qh.to(tl.int32) << sh.to(tl.int32)) & 0xC0)) ^ 0x80).to(tl.int8)
+    # u: the nibbles at bits 2-5; t: the qh bit pair at bits 6-7; then (u & 0x3C) | (t & 0xC0), ^ 0x80
+    if HI:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; shr.b32 u, $1, 2; shl.b32 t, $2, s; "
+            "and.b32 u, u, 0x3C3C3C3C; lop3.b32 u, u, t, 0xC0C0C0C0, 0xf8; xor.b32 $0, u, 0x80808080; }",
+            "=r,r,r,r", [qs, qh, sh], dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; shl.b32 u, $1, 2; shl.b32 t, $2, s; "
+        "and.b32 u, u, 0x3C3C3C3C; lop3.b32 u, u, t, 0xC0C0C0C0, 0xf8; xor.b32 $0, u, 0x80808080; }",
+        "=r,r,r,r", [qs, qh, sh], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _step_split_mma(acc, row, row16, ng, g0, g_end, xq_ptr, xd_ptr, xrow, mmask, QTYPE: tl.constexpr,
+                    GROUPS: tl.constexpr, EMULATE: tl.constexpr):
+    """acc [BN, BM] fp32 plus 32-element groups g0 .. g0 + GROUPS - 1 (those from g_end masked off) of BLOCK_N split
+    rows (``row`` / ``row16``: [BN] int8 / int16 pointers to the rows, ng groups per row) against BLOCK_M rows of
+    int8 activations (``xrow`` [BM] their offsets in xq_ptr; scales xd per 32, Q6_K per 256).  Int8 MMAs take K
+    >= 32.
+
+    Q8_0: one MMA of a group's 32 codes, times d dx.  Q4_0 and Q6_K take groups in pairs (g even): qs byte j of the
+    pair holds the codes of element j (low nibble) and 16 + j (high nibble) of its group g + j // 16 (j modulo 16),
+    so the low nibbles of the 32 bytes are elements 0-15 of both groups and the high ones 16-31.  Each of the four
+    (group, half) products is one MMA of those 32 codes with an activation tile that is zero at the other group's
+    16 positions; the tiles are 32 consecutive activations, so two of them are one load masked two ways.  Q4_0:
+    codes 16 (u - 8), times d dx / 16.  Q6_K: codes 4 (u - 32), the top bits of qs byte j at bits 4 ((j // 4) % 2)
+    (+ 2 for the high nibble) of qh byte 4 (j // 8) + j % 4 of the pair; each half group has an int8 scale, the
+    scaled sums of a 256-block's 8 groups add up in integers and take d dx / 4."""
+    j = tl.arange(0, 32)
+    if QTYPE == 8:
+        for i in tl.static_range(GROUPS):
+            g = g0 + i
+            ok = g < g_end
+            q = tl.load(row[:, None] + 32 * g + j[None, :], mask=ok, other=0, eviction_policy="evict_first")
+            xt = tl.load(xq_ptr + xrow[None, :] + 32 * g + j[:, None], mask=mmask[None, :] & ok, other=0)
+            d = tl.load(row16 + 16 * ng + g, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            dx = tl.load(xd_ptr + xrow // 32 + g, mask=mmask & ok, other=0.0)
+            acc += d[:, None] * (tl.dot(q, xt, out_dtype=tl.int32).to(tl.float32) * dx[None, :])
+        return acc
+    first = (j < 16)[:, None]
+    if QTYPE == 14:
+        isum = tl.zeros(acc.shape, dtype=tl.int32)
+        qh_at = 4 * (j // 8) + j % 4  # qh byte of qs byte j within the pair
+        sh_lo = (6 - 4 * ((j // 4) % 2)).to(tl.int8)[None, :]  # moves its bit pair to bits 6-7
+        sh_hi = sh_lo - 2
+    for i in tl.static_range(0, GROUPS, 2):
+        g = g0 + i
+        ok = g < g_end  # the pair is whole: splits and ng are even
+        q = tl.load(row[:, None] + 16 * g + j[None, :], mask=ok, other=0, eviction_policy="evict_first")
+        xb = xq_ptr + xrow[None, :] + 32 * g + j[:, None]
+        mm = mmask[None, :] & ok
+        x0 = tl.load(xb, mask=mm & first, other=0)  # group g, elements 0-15
+        x1 = tl.load(xb + 16, mask=mm & first, other=0)  # g, 16-31
+        x2 = tl.load(xb + 16, mask=mm & ~first, other=0)  # g + 1, 0-15
+        x3 = tl.load(xb + 32, mask=mm & ~first, other=0)  # g + 1, 16-31
+        if QTYPE == 14:
+            qh = tl.load(row[:, None] + 16 * ng + 8 * g + qh_at[None, :], mask=ok, other=0,
+                         eviction_policy="evict_first")
+            lo = _codes_q6_split(q, qh, sh_lo, False, EMULATE)
+            hi = _codes_q6_split(q, qh, sh_hi, True, EMULATE)
+            sc = tl.load((row16 + 12 * ng + g).to(tl.pointer_type(tl.int32)), mask=ok, other=0)  # 4 int8 scales
+            isum += (((sc << 24) >> 24)[:, None] * tl.dot(lo, x0, out_dtype=tl.int32)
+                     + ((sc << 16) >> 24)[:, None] * tl.dot(hi, x1, out_dtype=tl.int32)
+                     + ((sc << 8) >> 24)[:, None] * tl.dot(lo, x2, out_dtype=tl.int32)
+                     + (sc >> 24)[:, None] * tl.dot(hi, x3, out_dtype=tl.int32))
+        else:
+            lo = _codes_q4_0(q, False, EMULATE)
+            hi = _codes_q4_0(q, True, EMULATE)
+            dot0 = tl.dot(hi, x1, tl.dot(lo, x0, out_dtype=tl.int32), out_dtype=tl.int32)
+            dot1 = tl.dot(hi, x3, tl.dot(lo, x2, out_dtype=tl.int32), out_dtype=tl.int32)
+            d0 = tl.load(row16 + 8 * ng + g, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            d1 = tl.load(row16 + 8 * ng + g + 1, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            dx0 = tl.load(xd_ptr + xrow // 32 + g, mask=mmask & ok, other=0.0)
+            dx1 = tl.load(xd_ptr + xrow // 32 + g + 1, mask=mmask & ok, other=0.0)
+            acc += ((d0 * 0.0625)[:, None] * (dot0.to(tl.float32) * dx0[None, :])
+                    + (d1 * 0.0625)[:, None] * (dot1.to(tl.float32) * dx1[None, :]))
+    if QTYPE == 14:
+        d = tl.load(row16 + 13 * ng + g0 // 8).to(tl.float16, bitcast=True).to(tl.float32) * 0.25
+        dx = tl.load(xd_ptr + xrow // 256 + g0 // 8, mask=mmask, other=0.0)
+        acc += d[:, None] * (isum.to(tl.float32) * dx[None, :])
+    return acc
+
+
+@triton.jit
+def _gemm_split_mma_kernel(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, ng, groups_per_split,
+                           stride_wn, stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0,
+                           GROUPS: tl.constexpr = 8):
+    """Grid (N tiles, SPLIT_K, M tiles); split-K and PDL as ``gguf_gemv._gemv_kernel``.  w_ptr: split rows as int8,
+    stride_wn bytes apart, ng 32-element groups per row, GROUPS per K step; xq (M, 32 ng) int8, xd (M, ng) fp32
+    (Q6_K: (M, ng / 8)).  Rows past N read row N - 1 (their outputs are not stored)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    row16 = row.to(tl.pointer_type(tl.int16))
+    g_begin = pid_k * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, ng)
+    if PDL > 0:
+        _gdc_wait()
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    xrow = ms.to(tl.int64) * (ng * 32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g0 in range(g_begin, g_end, GROUPS):
+        acc = _step_split_mma(acc, row, row16, ng, g0, g_end, xq_ptr, xd_ptr, xrow, mmask, QTYPE, GROUPS, EMULATE)
+    _write_tile(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, rows, rmask, stride_ym, pid_n, pid_k, pid_m,
+                BLOCK_M, SPLIT_K)
+
+
+def gguf_linear_split_mma(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int, block_n: int = 64,
+                          split_k: int = 1, num_warps: int = 2, block_m: int | None = None, num_stages: int = 1,
+                          groups: int = 8, asm: bool = True) -> torch.Tensor:
+    """y = x @ W[:N].T for a weight of split rows (``gguf_split.split_rows``) of Q8_0, Q4_0 or Q6_K on the int8
+    tensor cores, x rounded to int8 blocks of 32 (Q6_K: 256; ``quantize_activations``).
+
+    Args:
+        x: (M, K) bf16/fp16/fp32 activations (meant for 9..16 rows; any M runs, block_m rows per program).
+        qweight: (>= N, >= row_bytes) uint8 split rows, row_bytes as the GGUF row.
+        stype: split type id (``gguf_split.split_type``).
+        N: output features.  block_n (>= 16), split_k, num_warps, num_stages: launch parameters as
+            ``gguf_linear_mma``; block_m: 8 or 16 (None: 8 for M <= 8, else 16).
+        groups: 32-element groups per K step (Q6_K: 8, one 256-block); a split takes whole steps.
+        asm: False unpacks the codes byte by byte (always so under the Triton interpreter); bit-identical.
+    Returns:
+        (M, N) in x's dtype, accumulated in fp32.  Error bound ``kernels.testing.q8_activation_bound`` (Q6_K with
+        ``block=256``).
+    Raises:
+        ValueError: another type, shapes that do not fit, bad launch parameters.
+    Capture-safe under CUDA graphs (two launches, no host synchronisation).
+    """
+    from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+    from glm5serve.kernels.gguf_split import _check_split, base_type
+
+    qtype = base_type(stype)
+    if qtype not in SPLIT_MMA_TYPES or int(stype) == qtype:
+        raise ValueError(f"gguf_linear_split_mma: {_NAMES.get(qtype, f'type {stype}')}"
+                         f"{'/split' if int(stype) != qtype else ''} has no split-row tensor-core kernel "
+                         f"(supported: Q8_0, Q4_0 and Q6_K split rows)")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gguf_linear_split_mma: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    M, K = x.shape
+    _check_split(qweight, stype, K, N)
+    block_m = _tile_args("gguf_linear_split_mma", M, block_m, block_n, split_k)
+    if groups not in ((1, 2, 4, 8) if qtype == Q8_0 else (2, 4, 8) if qtype == Q4_0 else (8,)):
+        raise ValueError(f"gguf_linear_split_mma: groups={groups!r} must be 1, 2, 4 or 8 (Q4_0: 2, 4 or 8; Q6_K: 8)")
+    if M == 0 or N == 0:
+        return x.new_zeros((M, N))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ng = K // 32
+    per_split = triton.cdiv(triton.cdiv(ng, split_k), groups) * groups
+    split = triton.cdiv(ng, per_split)
+    pdl = pdl_value(x.device, 0)
+    w = _as_words(qweight, qtype, unit=4).view(torch.int8)
+    xq, xd, _ = quantize_activations(x, pdl=bool(pdl), scale_block=QK_K if qtype == Q6_K else 32)
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+    y, part, counters = _split_outputs(x, N, grid, block_m)
+    _gemm_split_mma_kernel[grid](xq, xd, w, y, part, counters, M, N, ng, per_split, w.stride(0), y.stride(0),
+                                 QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
+                                 EMULATE=x.device.type != "cuda" or not asm, PDL=pdl, GROUPS=groups,
+                                 num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     return y

@@ -61,6 +61,7 @@ from glm5serve.kernels.gguf_gemv import (
     pdl_value,
 )
 from glm5serve.kernels.gguf_gemv_q8 import _dp4a, _split8, quantize_activations
+from glm5serve.kernels.gguf_mma import SPLIT_MMA_TYPES, gguf_linear_split_mma
 
 SPLITTABLE = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})  # split type id: SPLIT_BASE (0x100) + GGML type id
 MAX_BLOCK_M = 16  # activation rows per program of the split-row GEMV
@@ -680,13 +681,38 @@ _SPLIT_ROW_TILES = {Q8_0: _LEGACY_ROW_TILES, Q4_0: _LEGACY_ROW_TILES, Q5_0: _LEG
                     Q6_K: (((8, 8, 32, 2, False), (2, 8, 0, 4, False), (2, 4, 0, 4, True)), ((8, 8, 32, 2, False),))}
 
 
+#: From this many rows (to MAX_BLOCK_M), Q8_0 / Q4_0 / Q6_K split rows go to the int8 tensor cores
+#: (``gguf_mma.gguf_linear_split_mma``): 64 rows and 8 groups per step, 4 warps, 2 stages and split-K to ~4 programs
+#: per SM, or, where the row tiles alone give 2 per SM, 2 warps, no pipelining and no split.  H200, session 25, one
+#: run, us, at 16 / 8 rows, dp4a split rows (this module's tiles) against the best tensor-core tile of 8-16 and bf16
+#: cuBLAS: Q6_K expert gate/up 2048 x 6144 17.2 / 13.1 against 15.1 / 13.1 and 11.7; down 6144 x 2048 20.3 / 13.8
+#: against 14.8 / 13.0 and 9.4; lm_head/8 19360 x 6144 171.6 / 85.4 against 111.2 / 91.9 and 66.0 (4 rows: 52.1
+#: against 88.5); Q4_0 gate/up 17.3 / 13.0 against 13.2 / 11.3; Q8_0 gate/up 15.7 / 12.1 against 15.0 / 12.7.  At 8
+#: rows the tensor cores win on some shapes and lose on others, so they start past 8.
+SPLIT_MMA_MIN_M = 9
+
+
+def _split_mma_config(N: int, K: int, sms: int) -> GemvConfig:
+    """``pick_split_config`` from SPLIT_MMA_MIN_M rows: the tensor-core launch (``kbs``: groups per step)."""
+    tiles = triton.cdiv(N, 64)
+    if tiles >= 2 * sms:
+        return GemvConfig(block_n=64, kbs=8, split_k=1, num_warps=2, block_m=MAX_BLOCK_M, q8=True, mma=True)
+    steps = triton.cdiv(K // 32, 8)
+    split = min(steps, triton.cdiv(4 * sms, tiles))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
+    return GemvConfig(block_n=64, kbs=8, split_k=split, num_warps=4, block_m=MAX_BLOCK_M, q8=True, mma=True, stages=2)
+
+
 def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
                       tile: tuple[int, int, int, int] | None = None) -> GemvConfig:
     """Launch parameters of the split-row GEMV (``q8`` set): at 1..4 rows the first of ``_SPLIT_ROW_TILES`` whose
     row tiles alone give enough programs per SM (no split-K, loads ahead as the entry says); else the tile
     ``_SPLIT_TILE`` gives for the base type and M (or ``tile``: rows, kbs, programs per SM aimed at, warps), with
     split-K up to the tile's programs per SM while the row tiles alone give fewer than 2 per SM.  ``block_m`` = the
-    next power of two >= M (at most MAX_BLOCK_M)."""
+    next power of two >= M (at most MAX_BLOCK_M).  Without ``tile``, Q8_0 / Q4_0 / Q6_K at SPLIT_MMA_MIN_M..16 rows
+    take the int8 tensor cores (``mma`` set, ``_split_mma_config``)."""
+    if tile is None and SPLIT_MMA_MIN_M <= M <= MAX_BLOCK_M and base_type(stype) in SPLIT_MMA_TYPES:
+        return _split_mma_config(N, K, sms)
     bucket = 0 if M <= 1 else 1 if M <= 4 else 2
     nb = K // 32
     block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
@@ -743,11 +769,14 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
         N: output features.
         config: launch parameters (``block_n``, ``kbs``, ``split_k``, ``num_warps``, ``block_m`` up to
             MAX_BLOCK_M; default ``pick_split_config``).  Without one, x of more than MAX_FAST_M rows or fp32 x
-            takes W dequantized to x's dtype (``dequantize_split_rows``, in chunks) and a cuBLAS matmul.
+            takes W dequantized to x's dtype (``dequantize_split_rows``, in chunks) and a cuBLAS matmul.  ``mma``
+            (Q8_0, Q4_0, Q6_K; ``block_n`` >= 16): the int8 tensor cores (``gguf_mma.gguf_linear_split_mma``, ``kbs``
+            groups per step, at least 2, Q6_K 8; ``stages``; 8 or 16 activation rows per program).
         dp4a: False computes the same integer products with shifts (always so off CUDA); bit-identical.
     Returns:
         (M, N) in x's dtype, fp32 accumulation; on the int8 path x is first rounded to int8 blocks of 32 as in
-        ``gguf_gemv_q8`` (error bound ``kernels.testing.q8_activation_bound``).
+        ``gguf_gemv_q8`` (error bound ``kernels.testing.q8_activation_bound``; Q6_K on the tensor cores: blocks
+        of 256, ``block=256``).
     Raises:
         ValueError: not a split type, or shapes that do not fit.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
@@ -765,6 +794,11 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
         config = pick_split_config(stype, M, N, K, sms)
+    if config.mma and qtype in SPLIT_MMA_TYPES and config.block_n >= 16:
+        groups = 8 if qtype == Q6_K else min(max(config.kbs, 2), 8)
+        return gguf_linear_split_mma(x, qweight, stype, N, block_n=config.block_n, split_k=config.split_k,
+                                     num_warps=config.num_warps, block_m=8 if M <= 8 else 16,
+                                     num_stages=config.stages, groups=groups, asm=dp4a)
     if x.stride(1) != 1:
         x = x.contiguous()
     nb = K // 32
