@@ -95,7 +95,9 @@ class GemvConfig:
     step ahead, into registers.  ``mma`` (Q4_K and Q5_K, bf16/fp16 x): activations rounded to int8 blocks of 256
     and the codes multiplied on the int8 tensor cores (``gguf_mma``; ignored for fp32 x or ``block_n < 16``), 8
     activation rows per program for ``block_m`` <= 8, else 16, ``stages`` steps of Triton's software pipelining (1:
-    none), min(``kbs``, 2) super-blocks per step (so the default ``kbs`` takes two)."""
+    none), min(``kbs``, 2) super-blocks per step (so the default ``kbs`` takes two).  Split rows (Q8_0, Q4_0, Q6_K;
+    ``gguf_split.gguf_linear_split``): the same tensor cores for any x dtype, activation blocks of 32 (Q6_K 256),
+    ``kbs`` groups of 32 per step (2..8; Q6_K 8), 8 activation rows per program for M <= 8, else 16."""
     block_n: int = 16
     kbs: int = 2
     split_k: int = 1
@@ -1108,7 +1110,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     Returns:
         (M, N) in x's dtype; accumulation in fp32.  On the ``q8`` path x is first rounded to int8 blocks of 32
         (error bound in ``gguf_gemv_q8``), as llama.cpp's CUDA backend and the plugin's ``*_a8`` kernels do; on the
-        ``mma`` path to int8 blocks of 256 (llama.cpp's ``Q8_K``, error bound in ``gguf_mma``).
+        ``mma`` path of Q4_K / Q5_K / Q6_K split rows to int8 blocks of 256 (llama.cpp's ``Q8_K``, error bound in
+        ``gguf_mma``), of Q8_0 / Q4_0 split rows to blocks of 32.
     Raises:
         ValueError: unsupported type or inconsistent shapes.
     Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.

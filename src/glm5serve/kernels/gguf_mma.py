@@ -432,7 +432,7 @@ def gguf_linear_split_mma(x: torch.Tensor, qweight: torch.Tensor, stype: int, N:
         x: (M, K) bf16/fp16/fp32 activations (meant for 9..16 rows; any M runs, block_m rows per program).
         qweight: (>= N, >= row_bytes) uint8 split rows, row_bytes as the GGUF row.
         stype: split type id (``gguf_split.split_type``).
-        N: output features.  block_n (>= 16), split_k, num_warps, num_stages: launch parameters as
+        N: output features.  block_n (a power of two >= 16), split_k, num_warps, num_stages: launch parameters as
             ``gguf_linear_mma``; block_m: 8 or 16 (None: 8 for M <= 8, else 16).
         groups: 32-element groups per K step (Q6_K: 8, one 256-block); a split takes whole steps.
         asm: False unpacks the codes byte by byte (always so under the Triton interpreter); bit-identical.
