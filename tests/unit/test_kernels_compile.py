@@ -49,13 +49,15 @@ BUDGET = {g.Q4_K: (8.8, 9.7), g.Q5_K: (12.5, 13.5), g.Q6_K: (13.0, 21.5), g.Q8_0
           g.Q4_0: (9.5, 10.2), g.Q5_0: (13.1, 15.0)}
 
 
-def _compile(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...], num_warps: int = 4):
+def _compile(kernel, signature: dict, constexprs: dict, aligned: tuple[str, ...], num_warps: int = 4,
+             num_stages: int | None = None):
     # Triton's launcher marks pointers and ints divisible by 16 with tt.divisibility; do the same here
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     # constexpr parameters with a default (PREFETCH) take it unless given
     constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in kernel.arg_names}
-    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=SM90, options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=SM90, options=options)
 
 
 def _sass(compiled) -> tuple[str, str]:
@@ -318,11 +320,8 @@ def test_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, M, N, K):
     pdl = int(blocks_per_split < gguf_mma.MMA_PDL_MAX_BLOCKS)
     const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=pdl,
                  KBS=cfg.kbs)
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("xq_ptr", "w8_ptr", "w32_ptr",
-                                                                                "y_ptr", "stride_wn")}
-    src = ASTSource(kernel, {n: ("constexpr" if n in const else sig[n]) for n in kernel.arg_names}, const, attrs)
-    sass, usage = _sass(triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps,
-                                                                       num_stages=cfg.stages)))
+    sass, usage = _sass(_compile(kernel, sig, const, ("xq_ptr", "w8_ptr", "w32_ptr", "y_ptr", "stride_wn"),
+                                 cfg.num_warps, cfg.stages))
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     # one m16n8k32 IMMA per 16 weight rows, 8 activation rows and 32 K per warp (or warpgroup MMAs)
@@ -356,11 +355,8 @@ def test_split_rows_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, N):
     kernel = gguf_mma._gemm_split_mma_kernel
     const = dict(QTYPE=qtype, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EMULATE=False, PDL=1,
                  GROUPS=cfg.kbs)
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("xq_ptr", "w_ptr", "y_ptr",
-                                                                                "stride_wn", "ng")}
-    src = ASTSource(kernel, {n: ("constexpr" if n in const else sig[n]) for n in kernel.arg_names}, const, attrs)
-    sass, usage = _sass(triton.compile(src, target=SM90, options=dict(num_warps=cfg.num_warps,
-                                                                       num_stages=cfg.stages)))
+    sass, usage = _sass(_compile(kernel, sig, const, ("xq_ptr", "w_ptr", "y_ptr", "stride_wn", "ng"), cfg.num_warps,
+                                 cfg.stages))
     ops = collections.Counter(_loop_body(sass))
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
     imma = cfg.kbs * cfg.block_n * cfg.block_m // (16 * 8 * cfg.num_warps) * (1 if qtype == g.Q8_0 else 2)
