@@ -368,3 +368,45 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
         assert cfg.mma and kw["GROUPS"] == cfg.kbs and per_split % cfg.kbs == 0 and kw["BLOCK_M"] == 16, (cfg, kw)
         assert kw["SPLIT_K"] == -(-ng // per_split) == cfg.split_k and kw["num_warps"] == cfg.num_warps, (cfg, kw)
         assert kw["num_stages"] == cfg.stages and kw["QTYPE"] == qtype, (cfg, kw)
+def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeypatch):
+    """The int8 per-pair MoE launches quantizer, gate+up, quantizer, down, each with ``launch_pdl`` exactly when it
+    is compiled with PDL (never under ``off``); an fp32-decode projection launches plainly.  Down takes the slots
+    side by side (SLOTS = top-k rounded up to a power of two) for w2 rows of up to MOE_Q8_SLOTS_MAX_BLOCKS
+    super-blocks, else the slot loop; gate+up takes ``_gate_up_tile``."""
+    import sys
+
+    from glm5serve.kernels import gguf_gemv_q8, gguf_moe
+
+    gm = sys.modules["glm5serve.kernels.gguf_moe"]  # the package exports the function under the module's name
+    log: list = []
+    monkeypatch.setattr(gguf_gemv_q8, "_quantize_x_kernel", _Launches("quantize", log))
+    for name in ("_moe_gate_up_q8_kernel", "_moe_down_q8_kernel", "_moe_down_q8_slots_kernel", "_moe_down_kernel"):
+        monkeypatch.setattr(gm, name, _Launches(name, log))
+    E, H, T, k = 4, 512, 3, 3
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, wts = torch.tensor([[0, 1, 2]] * T, dtype=torch.int32), torch.ones(T, k)
+    for mode in gguf_gemv.PDL_MODES:
+        value = {"off": 0, "wait": 1, "prefetch": 1 + gguf_gemv.PDL_MAX_STEPS}[mode]  # pdl_value on a capable GPU
+        for mod in (gguf_gemv_q8, gm):
+            monkeypatch.setattr(mod, "pdl_value", lambda device, steps, value=value: value)
+        for blocks, q2 in ((1, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS + 1, Q4_K),
+                           (1, gguf_gemv.Q6_K)):
+            inter = 256 * blocks
+            w13 = torch.zeros(E, 2 * inter, H // 256 * 144, dtype=torch.uint8)
+            w2 = torch.zeros(E, H, blocks * gguf_gemv.BLOCK_SIZES[q2][1], dtype=torch.uint8)
+            log.clear()
+            gguf_moe(x, w13, w2, wts, ids, Q4_K, q2, q8=True)
+            down = ("_moe_down_kernel" if q2 != Q4_K else "_moe_down_q8_slots_kernel"
+                    if blocks <= gm.MOE_Q8_SLOTS_MAX_BLOCKS else "_moe_down_q8_kernel")
+            names = [n for n, _ in log]
+            assert names == ["quantize", "_moe_gate_up_q8_kernel"] + (["quantize"] if q2 == Q4_K else []) + [down]
+            for name, kw in log:
+                pdl = mode != "off" and name != "_moe_down_kernel"
+                assert bool(kw.get("launch_pdl")) == bool(kw.get("PDL")) == pdl, (mode, name, kw)
+            gate_up = dict(log)["_moe_gate_up_q8_kernel"]
+            assert (gate_up["BLOCK_N"], gate_up["num_warps"]) == gm._gate_up_tile(T * k, inter, gm._device_sms(x.device)), gate_up
+            if down == "_moe_down_q8_slots_kernel":
+                kw = dict(log)[down]
+                assert kw["SLOTS"] == 4 and (kw["BLOCK_N"], kw["KBS"], kw["num_warps"]) == gm.MOE_Q8_SLOTS_TILE
+
+

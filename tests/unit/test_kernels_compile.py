@@ -366,23 +366,36 @@ def test_split_rows_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, N):
     assert per_weight <= SPLIT_MMA_BUDGET[qtype], (per_weight, ops.most_common(10))
 
 def test_moe_q8_kernels_use_dp4a_without_spills():
-    """The per-pair MoE's int8-activation kernels (Q4_K gate+up with MOE_Q8_GATE_UP_BLOCK_N rows, down with 16,
-    MOE_Q8_KBS super-blocks per step): two IDP.4A per weight word in each K loop (gate+up has two loops), no
-    spills.  They use the one-row step, whose sum over words shuffles: measured faster here than the
+    """The per-pair MoE's int8-activation kernels at their production tiles (Q4_K gate+up: gate and up rows
+    interleaved in one K loop, ``_gate_up_tile``'s two tiles; down: the slot loop with 16 rows and the slots side by
+    side, ``MOE_Q8_SLOTS_TILE`` x 8 slots), compiled for PDL: two IDP.4A per weight code word of a K step, over the
+    program's threads, no spills, and ``griddepcontrol.wait`` before the first global load.  They use the one-row step, whose sum over words shuffles: measured faster here than the
     shuffle-free rows step at one row (H200, whole experts, 1 token: 123 against 132 us)."""
     kbs = gm.MOE_Q8_KBS
     common = dict(w_ptr="*i32", ids_ptr="*i32", nb="i32", topk="i32", stride_we="i32", stride_wn="i32")
-    up = _compile(gm._moe_gate_up_q8_kernel, dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", h_ptr="*fp32",
-                                                  inter="i32", stride_hm="i32", **common),
-                  dict(BLOCK_N=gm.MOE_Q8_GATE_UP_BLOCK_N, KBS=kbs, EMULATE=False), ("xw_ptr", "w_ptr", "h_ptr"))
-    down = _compile(gm._moe_down_q8_kernel, dict(hw_ptr="*i32", hd_ptr="*fp32", hs_ptr="*fp32", wts_ptr="*fp32",
-                                                 y_ptr="*bf16", hidden="i32", stride_ym="i32", **common),
-                    dict(BLOCK_N=16, KBS=kbs, EMULATE=False), ("hw_ptr", "w_ptr", "y_ptr"))
-    for k, loops, bn in ((up, 2, gm.MOE_Q8_GATE_UP_BLOCK_N), (down, 1, 16)):
+    down_sig = dict(hw_ptr="*i32", hd_ptr="*fp32", hs_ptr="*fp32", wts_ptr="*fp32", y_ptr="*bf16", hidden="i32",
+                    stride_ym="i32", **common)
+    kernels = []  # (compiled, rows of a K step, super-blocks per step, warps)
+    for bn, warps in {gm._gate_up_tile(8, 256, 132), gm._gate_up_tile(8, 2048, 132)}:
+        up = _compile(gm._moe_gate_up_q8_kernel, dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", h_ptr="*fp32",
+                                                      inter="i32", stride_hm="i32", **common),
+                      dict(BLOCK_N=bn, KBS=kbs, EMULATE=False, PDL=True), ("xw_ptr", "w_ptr", "h_ptr"),
+                      num_warps=warps)
+        kernels.append((up, 2 * bn, kbs, warps))
+    kernels.append((_compile(gm._moe_down_q8_kernel, down_sig, dict(BLOCK_N=16, KBS=kbs, EMULATE=False, PDL=True),
+                             ("hw_ptr", "w_ptr", "y_ptr")), 16, kbs, 4))
+    bn, skbs, warps = gm.MOE_Q8_SLOTS_TILE
+    kernels.append((_compile(gm._moe_down_q8_slots_kernel, down_sig, dict(SLOTS=8, BLOCK_N=bn, KBS=skbs,
+                                                                           EMULATE=False, PDL=True),
+                             ("hw_ptr", "w_ptr", "y_ptr"), num_warps=warps), 8 * bn, skbs, warps))
+    for k, rows, step_kbs, warps in kernels:
         sass, usage = _sass(k)
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
-        # per K step of bn rows x kbs super-blocks (36 words, 32 of codes): 2 dp4a per code word, over 128 threads
-        assert sass.count("IDP.4A.S8.S8") == loops * 2 * bn * kbs * 32 // 128, usage
+        # per K step of `rows` rows x step_kbs super-blocks (36 words, 32 of codes): 2 dp4a per code word
+        assert sass.count("IDP.4A.S8.S8") == 2 * rows * step_kbs * 32 // (32 * warps), (rows, warps, usage)
+        # launched with PDL, a kernel must wait for the one before ahead of its first global load (ids, x, h)
+        ptx = k.asm["ptx"]
+        assert -1 < ptx.find("griddepcontrol.wait") < ptx.find("ld.global"), k.name
 
 
 def test_activation_quantizer_compiles_without_spills():

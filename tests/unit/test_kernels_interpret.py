@@ -151,10 +151,13 @@ else:
         ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
         _check(y, ref, bound, rel_sum=2.0 ** -18, what="moe")
 
-    @pytest.mark.parametrize("q2", (Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
-    def test_moe_q8_computes_its_int8_model(q2):
+    @pytest.mark.parametrize("q2,slots_max", [(Q.Q4_K, None), (Q.Q4_K, 0), (Q.Q6_K, None)],
+                             ids=["Q4_K-slots-side-by-side", "Q4_K-slot-loop", "Q6_K"])
+    def test_moe_q8_computes_its_int8_model(q2, slots_max, monkeypatch):
         """The int8-activation per-pair MoE (Q4_K gate+up; down too when w2 is Q4_K, else the fp32 decode), dp4a
-        emulated, on ``_moe_case`` with 3 super-blocks of hidden size (steps of 2: a partial last step):
+        emulated, on ``_moe_case`` with a third slot (top-3: the down kernel with slots side by side pads them to
+        4) and 3 super-blocks of hidden size (steps of 2: a partial last step); w2 rows of 2 super-blocks take
+        the slots side by side (``MOE_Q8_SLOTS_MAX_BLOCKS``), or with ``slots_max`` 0 the slot loop:
         - within ``q8_moe_bound`` (+ fp32 sums) of the exact MLP, and not bit-equal to q8=False (the path ran);
         - sharp: within fp32 rounding (2^-18 of ``reference_moe``'s bound) plus codes of h at a tie
           (``q8_moe_model``'s ``tie``) of the float64 value of its own int8 arithmetic.  That budget is < 10 % of
@@ -162,8 +165,12 @@ else:
         from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
         from glm5serve.kernels.testing import q8_moe_bound, q8_moe_model
 
+        if slots_max is not None:  # the package exports the function gguf_moe under the module's name
+            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
         q13 = Q.Q4_K
         x, w13, w2, ids, wts = _moe_case(q13, q2, _k(q13, 3), _k(q2, 2), 100 + int(q2))
+        ids = torch.cat([ids, torch.tensor([[1], [0], [1]], dtype=torch.int32)], dim=1)
+        wts = torch.cat([wts, torch.tensor([[0.7], [0.2], [0.4]])], dim=1)
         args = (x, torch.from_numpy(w13), torch.from_numpy(w2), wts, ids, q13, q2)
         y = gguf_moe(*args, q8=True).double()
         assert not torch.equal(y, gguf_moe(*args, q8=False).double())

@@ -1,7 +1,7 @@
 """Triton top-k MoE for GGUF-quantized experts at decode batch sizes (no per-expert Python loop).
 
 Up to 16 tokens (``MAX_FAST_M``; 128, ``MOE_Q8_MAX_M``, where both projections run with int8 activations), two
-launches, one program per (token, slot):
+GEMV launches, one program per (token, slot):
 1. gate+up: one program per (token, slot, BLOCK_N rows of the intermediate) reads expert ``topk_ids[t, s]``'s
    gate and up rows from the 3-D byte tensor ``w13`` (E, 2I, row_bytes) -- gate rows 0..I-1, up rows I..2I-1,
    vLLM's ``w13`` order -- and writes h = silu(gate) * up in fp32.
@@ -9,7 +9,13 @@ launches, one program per (token, slot):
    over the token's slots and stores the result in x's dtype: the weighted sum needs no atomics or extra kernel.
 
 Q4_K projections (GLM-5's routed experts) run with int8 activations for bf16/fp16 x on a GPU, as llama.cpp's
-MMVQ does (``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below).
+MMVQ does (``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below); then gate and up rows
+are interleaved in one K loop, the down kernel takes the token's slots side by side where w2 rows are short (TP
+slices: ``MOE_Q8_SLOTS_MAX_BLOCKS``), and on Hopper all four launches (two quantizers, two GEMVs) use
+programmatic dependent launch (``gguf_gemv.pdl_value``).  H200, session 26, same run, us, this / the session-25
+kernels (two gate+up loops, slot after slot, no PDL), 256 experts top-8, 1 / 4 / 16 tokens: TP=8 slices 16.5 /
+24.5, 45.5 / 51.1, 148.2 / 166.2; TP=4 25.9 / 35.2, 83.9 / 90.9, 290.3 / 309.4; whole experts 78.5 / 79.0,
+301.7 / 311.0, 1,118.6 / 1,149.0 (without PDL: TP=8 18.0, 47.4, 149.9; whole experts 80.1, 303.9, 1,120.3).
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
 (from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 activations) that costs less than
@@ -37,14 +43,18 @@ from glm5serve.kernels.gguf_gemv import (
     SUPPORTED_QTYPES,
     _as_words,
     _device_sms,
+    _gdc_wait,
+    _pow2_at_least,
     _pow2_at_most,
     _reduce_acc,
     _rows_dot,
     _zero_acc,
     Q4_K,
+    pdl_launch,
+    pdl_value,
     tile_shape,
 )
-from glm5serve.kernels.gguf_gemv_q8 import _dot_q4_k_q8, quantize_activations
+from glm5serve.kernels.gguf_gemv_q8 import _dot_q4_k_q8, _kquant_words, _math_q4_k_q8, quantize_activations
 
 
 @triton.jit
@@ -95,31 +105,41 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
 
 @triton.jit
 def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk, stride_we, stride_wn,
-                           stride_hm, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+                           stride_hm, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """``_moe_gate_up_kernel`` for Q4_K ``w13`` (int32 words) with int8 activations (``quantize_activations`` of x,
-    one row per token): the one-row step of ``gguf_gemv_q8``."""
+    one row per token): the one-row step of ``gguf_gemv_q8`` over 2 BLOCK_N rows, gate row n and up row n
+    interleaved, so that one K loop issues the loads of both (the session-25 kernel ran a gate loop, then an up
+    loop: ``MOE_Q8_GATE_UP_MIN_PER_SM``).  PDL: launched with programmatic dependent launch; waits for the kernel before (``gguf_gemv``
+    ``_gdc_wait``) before it reads anything."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if PDL:
+        _gdc_wait()
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = (rows < inter) & (e >= 0)
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r // 2
+    rows = n + (r % 2) * inter  # gate row n, up row n, gate row n + 1, ...
     base = w_ptr + tl.maximum(e, 0) * stride_we
     tok = (pair // topk).to(tl.int64)
     xw, xd, xs = xw_ptr + tok * nb * 64, xd_ptr + tok * nb * 8, xs_ptr + tok * nb * 8
-    g = _dot_q4_k_q8(base + rows.to(tl.int64) * stride_wn, rmask, 0, nb, nb, xw, xd, xs, BLOCK_N, KBS, 0, EMULATE,
-                     SHAPED=False)
-    u = _dot_q4_k_q8(base + (rows + inter).to(tl.int64) * stride_wn, rmask, 0, nb, nb, xw, xd, xs, BLOCK_N, KBS, 0,
-                     EMULATE, SHAPED=False)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_hm + rows, g * tl.sigmoid(g) * u, mask=rows < inter)
+    gu = _dot_q4_k_q8(base + rows.to(tl.int64) * stride_wn, (n < inter) & (e >= 0), 0, nb, nb, xw, xd, xs,
+                      2 * BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
+    g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
+    out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_hm + out, g * tl.sigmoid(g) * u, mask=out < inter)
 
 
 @triton.jit
 def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, stride_we,
-                        stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr):
+                        stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """``_moe_down_kernel`` for Q4_K ``w2`` with h quantized to int8 blocks (one row per (token, slot) pair); each
-    slot's dot product is scaled by its routing weight."""
+    slot's dot product is scaled by its routing weight; slot after slot.  PDL as ``_moe_gate_up_q8_kernel``."""
     tok = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if PDL:
+        _gdc_wait()
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < hidden
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -131,6 +151,46 @@ def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, 
         y += wt * _dot_q4_k_q8(row_ptr, rmask & (e >= 0), 0, nb, nb, hw_ptr + pair * nb * 64, hd_ptr + pair * nb * 8,
                                hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
     tl.store(y_ptr + tok.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, stride_we,
+                              stride_wn, stride_ym, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
+                              EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    """``_moe_down_q8_kernel`` with the token's slots side by side: one tile of SLOTS x BLOCK_N rows (SLOTS: topk
+    rounded up to a power of two; slot s of row r = s BLOCK_N + i is expert ``topk_ids[tok, s]``'s row i, against
+    pair (tok, s)'s int8 h), so the loads of all slots are in flight at once; for short rows (TP slices of the
+    experts, ``MOE_Q8_SLOTS_MAX_BLOCKS``).  The weighted slot outputs are summed as a tree
+    (the slot loop sums them in slot order: the results differ by fp32 rounding)."""
+    tok = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    if PDL:
+        _gdc_wait()
+    r = tl.arange(0, SLOTS * BLOCK_N)
+    slot = r // BLOCK_N
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    pair = tok * topk + slot
+    e = tl.load(ids_ptr + pair, mask=slot < topk, other=-1).to(tl.int64)
+    wt = tl.load(wts_ptr + pair, mask=slot < topk, other=0.0).to(tl.float32)
+    live = e >= 0
+    row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + n.to(tl.int64) * stride_wn
+    acc = tl.zeros([SLOTS * BLOCK_N, 4 * KBS], dtype=tl.float32)
+    for b0 in range(0, nb, KBS):
+        kb, j, t, bmask, h0, h1, h2, h3, q, qh = _kquant_words(row_ptr, (n < hidden) & live, b0, nb, KBS)
+        xo = (pair * nb * 64)[:, None, None] + ((kb * 64 + j * 16)[:, None] + t[None, :])[None, :, :]
+        xmask = live[:, None, None] & bmask[None, :, None]
+        xlo = tl.load(hw_ptr + xo, mask=xmask, other=0)
+        xhi = tl.load(hw_ptr + xo + 8, mask=xmask, other=0)
+        sb = (pair * nb * 8)[:, None] + (kb * 8 + 2 * j)[None, :]  # sub-block 2j of the pair's h blocks
+        smask = live[:, None] & bmask[None, :]
+        dx_lo = tl.load(hd_ptr + sb, mask=smask, other=0.0)
+        dx_hi = tl.load(hd_ptr + sb + 1, mask=smask, other=0.0)
+        sx_lo = tl.load(hs_ptr + sb, mask=smask, other=0.0)
+        sx_hi = tl.load(hs_ptr + sb + 1, mask=smask, other=0.0)
+        acc = _math_q4_k_q8(acc, j, h0, h1, h2, h3, q, qh, xlo, xhi, dx_lo, dx_hi, sx_lo, sx_hi, False, EMULATE)
+    y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * wt, (SLOTS, BLOCK_N)), axis=0)
+    out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + tok * stride_ym + out, y.to(y_ptr.dtype.element_ty), mask=out < hidden)
 
 
 GROUP_M = 16  # rows per expert group on the grouped path: at 256 experts a decode batch gives each a few pairs
@@ -255,10 +315,22 @@ GROUPED_PREFETCH = 0
 #: super-blocks, no prefetch), 123 / 380 / 1,366 (2, prefetch 2), fp32 decode 143 / 534 / 2,036; TP=8 slices
 #: 24.4 / 51.9 / 192 (4, none), 29.1 / 70.2 / 221 (2, prefetch 2), fp32 decode 30.3 / 79.4 / 271.
 MOE_Q8_KBS = 4
-#: at most this many gate (and as many up) rows per int8 gate+up program.  Same run (session 8), 8 against the 16
-#: that ``_block_n`` gives: whole experts 79.4 / 296 / 1,146 against 94.1 / 338 / 1,281 us at 1 / 4 / 16 tokens;
-#: TP=8 slices at 16 tokens 167 against 192 (at 1 and 4 tokens ``_block_n`` gives 4 and 8 already).
-MOE_Q8_GATE_UP_BLOCK_N = 8
+#: gate (and as many up) rows per int8 gate+up program (``_gate_up_tile``): 4 on 2 warps, or 2 on 4 warps where
+#: programs of 4 would be fewer than MOE_Q8_GATE_UP_MIN_PER_SM per SM.  H200, session 26, one run, that kernel alone
+#: (gate and up rows interleaved in one K loop), best of 24 tiles (2/4/8 rows, 2/4 super-blocks per step, 2/4 warps,
+#: loads ahead or not) / this rule, us: TP=8 slices, 1 token 8.54 / 8.54, 4 tokens 25.27 / 26.68, 16 tokens
+#: 89.15 / 89.15; whole experts 1 token 48.12 / 48.12, 4 tokens 168.74 / 168.74.  (Session 8, two loops: at most 8
+#: rows, 79.4 / 296 / 1,146 us for whole experts against 94.1 / 338 / 1,281 with 16.)
+MOE_Q8_GATE_UP_MIN_PER_SM = 16
+#: w2 rows of at most this many super-blocks (TP slices of the experts: 1 at TP=8, 2 at TP=4) take the down kernel
+#: with the token's slots side by side (``_moe_down_q8_slots_kernel``, 8 rows x 8 slots, one super-block per step,
+#: 4 warps), longer rows the slot loop.  H200, session 26: that kernel alone at TP=8 slices, best of 9 tiles (4/8/16
+#: rows, 2/4/8 warps) / this tile, us: 1 token 5.80 / 5.88, 4 tokens 18.07 / 18.15, 16 tokens 58.43 / 58.43.  The
+#: whole MoE (another run, same-run pairs) with this rule / the other down kernel: TP=8 16.5 / 20.1, 45.5 / 49.9,
+#: 148.2 / 159.7 at 1 / 4 / 16 tokens; TP=4 25.9 / 33.1, 83.9 / 88.4, 290.3 / 298.5; whole experts (8 super-blocks,
+#: slot loop) 78.5 / 89.9, 301.7 / 335.1, 1,118.6 / 1,221.6.
+MOE_Q8_SLOTS_MAX_BLOCKS = 2
+MOE_Q8_SLOTS_TILE = (8, 1, 4)  # (rows, super-blocks per step, warps)
 #: tokens up to which the per-pair path with int8 gate+up and down beats the grouped one (each pair re-reads its
 #: expert).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens
 #: 614 / 1,119, 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256
@@ -277,6 +349,14 @@ def per_pair(qtype_w13: int, qtype_w2: int, num_tokens: int, q8: bool) -> bool:
     measured); the grouped path beyond."""
     both = q8 and int(qtype_w13) == Q4_K and int(qtype_w2) == Q4_K
     return num_tokens <= (MOE_Q8_MAX_M if both else MAX_FAST_M)
+
+
+def _gate_up_tile(pairs: int, inter: int, sms: int) -> tuple[int, int]:
+    """(gate rows per program, num_warps) of ``_moe_gate_up_q8_kernel`` for ``pairs`` (token, slot) pairs
+    (MOE_Q8_GATE_UP_MIN_PER_SM)."""
+    if pairs * triton.cdiv(inter, 4) < MOE_Q8_GATE_UP_MIN_PER_SM * sms:
+        return 2, 4
+    return 4, 2
 
 
 def _kbs(qtype: int, nb: int) -> int:
@@ -302,7 +382,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
             forces one (tests).
         q8: on the per-pair path, run each Q4_K projection with int8 activations (``gguf_gemv_q8``'s numerics: x
             quantized once per token for gate+up, h once per pair for down; other types keep the fp32 decode).
-            None: on for bf16/fp16 x on a GPU (1.2-1.8x faster: ``MOE_Q8_KBS``, ``MOE_Q8_GATE_UP_BLOCK_N``);
+            None: on for bf16/fp16 x on a GPU (1.2-1.8x faster: ``MOE_Q8_KBS``; launched with PDL on Hopper);
             False: the fp32 decode.
         dp4a: False computes the int8 path's integer dot products with shifts and multiplies (always so under the
             Triton interpreter, which has no inline PTX); the results are bit-identical.
@@ -354,12 +434,14 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)
     nb13 = H // BLOCK_SIZES[q13][0]
     bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
+    pdl = bool(q8 and pdl_value(x.device, 0))
     if q8 and q13 == Q4_K:
-        xq, xd, xs = quantize_activations(x)
-        bn = min(bn, MOE_Q8_GATE_UP_BLOCK_N)
+        xq, xd, xs = quantize_activations(x, pdl=pdl)
+        bn, warps = _gate_up_tile(T_ * k, inter, sms)
         _moe_gate_up_q8_kernel[(T_ * k, triton.cdiv(inter, bn))](
             xq.view(torch.int32), xd, xs, w13w, ids, h, inter, nb13, k, w13w.stride(0), w13w.stride(1), h.stride(0),
-            BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb13)), EMULATE=emulate, num_warps=4)
+            BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb13)), EMULATE=emulate, PDL=pdl, num_warps=warps,
+            **pdl_launch(pdl))
     else:
         kbs = _kbs(q13, nb13)
         G, T = tile_shape(q13, kbs)
@@ -371,10 +453,16 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     nb2 = inter // BLOCK_SIZES[q2][0]
     bn = _block_n(triton.cdiv(H, 16), T_, sms)
     if q8 and q2 == Q4_K:
-        hq, hd, hs = quantize_activations(h)
-        _moe_down_q8_kernel[(T_, triton.cdiv(H, bn))](
-            hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, w2w.stride(0), w2w.stride(1), y.stride(0),
-            BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb2)), EMULATE=emulate, num_warps=4)
+        hq, hd, hs = quantize_activations(h, pdl=pdl)
+        args = (hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, w2w.stride(0), w2w.stride(1), y.stride(0))
+        if nb2 <= MOE_Q8_SLOTS_MAX_BLOCKS:
+            bn, kbs, warps = MOE_Q8_SLOTS_TILE
+            _moe_down_q8_slots_kernel[(T_, triton.cdiv(H, bn))](
+                *args, SLOTS=_pow2_at_least(k), BLOCK_N=bn, KBS=kbs, EMULATE=emulate, PDL=pdl, num_warps=warps,
+                **pdl_launch(pdl))
+        else:
+            _moe_down_q8_kernel[(T_, triton.cdiv(H, bn))](*args, BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb2)),
+                                                           EMULATE=emulate, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     else:
         kbs = _kbs(q2, nb2)
         G, T = tile_shape(q2, kbs)
