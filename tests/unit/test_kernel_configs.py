@@ -368,6 +368,8 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
         assert cfg.mma and kw["GROUPS"] == cfg.kbs and per_split % cfg.kbs == 0 and kw["BLOCK_M"] == 16, (cfg, kw)
         assert kw["SPLIT_K"] == -(-ng // per_split) == cfg.split_k and kw["num_warps"] == cfg.num_warps, (cfg, kw)
         assert kw["num_stages"] == cfg.stages and kw["QTYPE"] == qtype, (cfg, kw)
+
+
 def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeypatch):
     """The int8 per-pair MoE launches quantizer, gate+up, quantizer, down, each with ``launch_pdl`` exactly when it
     is compiled with PDL (never under ``off``); an fp32-decode projection launches plainly.  Down takes the slots
@@ -404,9 +406,12 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
                 pdl = mode != "off" and name != "_moe_down_kernel"
                 assert bool(kw.get("launch_pdl")) == bool(kw.get("PDL")) == pdl, (mode, name, kw)
             gate_up = dict(log)["_moe_gate_up_q8_kernel"]
-            assert (gate_up["BLOCK_N"], gate_up["num_warps"]) == gm._gate_up_tile(T * k, inter, gm._device_sms(x.device)), gate_up
+            sms = gm._device_sms(x.device)
+            assert (gate_up["BLOCK_N"], gate_up["num_warps"]) == gm._gate_up_tile(T * k, inter, sms), gate_up
             if down == "_moe_down_q8_slots_kernel":
                 kw = dict(log)[down]
                 assert kw["SLOTS"] == 4 and (kw["BLOCK_N"], kw["KBS"], kw["num_warps"]) == gm.MOE_Q8_SLOTS_TILE
-
-
+    # the measured rule (H200, 132 SMs, top-8): 2 rows on 4 warps below 16 programs of 4 rows per SM, else 4 on 2
+    for tokens, inter, tile in ((1, 256, (2, 4)), (4, 256, (2, 4)), (16, 256, (4, 2)), (1, 2048, (4, 2)),
+                                (4, 2048, (4, 2))):
+        assert gm._gate_up_tile(8 * tokens, inter, 132) == tile, (tokens, inter)

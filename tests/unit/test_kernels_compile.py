@@ -369,7 +369,8 @@ def test_moe_q8_kernels_use_dp4a_without_spills():
     """The per-pair MoE's int8-activation kernels at their production tiles (Q4_K gate+up: gate and up rows
     interleaved in one K loop, ``_gate_up_tile``'s two tiles; down: the slot loop with 16 rows and the slots side by
     side, ``MOE_Q8_SLOTS_TILE`` x 8 slots), compiled for PDL: two IDP.4A per weight code word of a K step, over the
-    program's threads, no spills, and ``griddepcontrol.wait`` before the first global load.  They use the one-row step, whose sum over words shuffles: measured faster here than the
+    program's threads, no spills, and ``griddepcontrol.wait`` before the first global load (in the PTX).  They
+    use the one-row step, whose sum over words shuffles: measured faster here than the
     shuffle-free rows step at one row (H200, whole experts, 1 token: 123 against 132 us)."""
     kbs = gm.MOE_Q8_KBS
     common = dict(w_ptr="*i32", ids_ptr="*i32", nb="i32", topk="i32", stride_we="i32", stride_wn="i32")

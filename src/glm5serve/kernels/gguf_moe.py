@@ -110,8 +110,8 @@ def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter,
     """``_moe_gate_up_kernel`` for Q4_K ``w13`` (int32 words) with int8 activations (``quantize_activations`` of x,
     one row per token): the one-row step of ``gguf_gemv_q8`` over 2 BLOCK_N rows, gate row n and up row n
     interleaved, so that one K loop issues the loads of both (the session-25 kernel ran a gate loop, then an up
-    loop: ``MOE_Q8_GATE_UP_MIN_PER_SM``).  PDL: launched with programmatic dependent launch; waits for the kernel before (``gguf_gemv``
-    ``_gdc_wait``) before it reads anything."""
+    loop; the module docstring has the two compared, with the other changes of session 26).  PDL: launched with
+    programmatic dependent launch, it waits (``gguf_gemv._gdc_wait``) for the kernel before it ahead of any load."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     if PDL:
