@@ -433,7 +433,6 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
 
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)
     nb13 = H // BLOCK_SIZES[q13][0]
-    bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
     pdl = bool(q8 and pdl_value(x.device, 0))
     if q8 and q13 == Q4_K:
         xq, xd, xs = quantize_activations(x, pdl=pdl)
@@ -445,6 +444,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     else:
         kbs = _kbs(q13, nb13)
         G, T = tile_shape(q13, kbs)
+        bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
         _moe_gate_up_kernel[(T_ * k, triton.cdiv(inter, bn))](
             x, w13w, ids, h, inter, nb13, k, x.stride(0), w13w.stride(0), w13w.stride(1), h.stride(0),
             QTYPE=q13, BLOCK_N=bn, KBS=kbs, G=G, T=T, PREFETCH=_prefetch(x.device), num_warps=4)
