@@ -373,8 +373,8 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
 def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeypatch):
     """The int8 per-pair MoE launches quantizer, gate+up, quantizer, down, each with ``launch_pdl`` exactly when it
     is compiled with PDL (never under ``off``); an fp32-decode projection launches plainly.  Down takes the slots
-    side by side (SLOTS = top-k rounded up to a power of two) for w2 rows of up to MOE_Q8_SLOTS_MAX_BLOCKS
-    super-blocks, else the slot loop; gate+up takes ``_gate_up_tile``."""
+    side by side (``_slots_tile``: SLOTS = top-k rounded up to a power of two, up to MOE_Q8_SLOTS_MAX_ROWS) for w2
+    rows of up to MOE_Q8_SLOTS_MAX_BLOCKS super-blocks, else the slot loop; gate+up takes ``_gate_up_tile``."""
     import sys
 
     from glm5serve.kernels import gguf_gemv_q8, gguf_moe
@@ -410,7 +410,18 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
             assert (gate_up["BLOCK_N"], gate_up["num_warps"]) == gm._gate_up_tile(T * k, inter, sms), gate_up
             if down == "_moe_down_q8_slots_kernel":
                 kw = dict(log)[down]
-                assert kw["SLOTS"] == 4 and (kw["BLOCK_N"], kw["KBS"], kw["num_warps"]) == gm.MOE_Q8_SLOTS_TILE
+                assert (kw["SLOTS"], kw["BLOCK_N"], kw["KBS"], kw["num_warps"]) == (4, *gm.MOE_Q8_SLOTS_TILE)
+    # past MOE_Q8_SLOTS_MAX_ROWS slots the slot loop takes short w2 rows too
+    inter, k = 256, gm.MOE_Q8_SLOTS_MAX_ROWS + 1
+    log.clear()
+    gguf_moe(x[:1], torch.zeros(E, 2 * inter, H // 256 * 144, dtype=torch.uint8),
+             torch.zeros(E, H, 144, dtype=torch.uint8), torch.ones(1, k), torch.zeros(1, k, dtype=torch.int32),
+             Q4_K, Q4_K, q8=True)
+    assert [n for n, _ in log][-1] == "_moe_down_q8_kernel"
+    # the slots tile keeps 8 rows per slot up to top-8, then at most MOE_Q8_SLOTS_MAX_ROWS rows in all
+    tiles = {k: gm._slots_tile(k) for k in (1, 3, 8, 9, 16, 32, 64, 65)}
+    assert tiles == {1: (1, 8, 1, 4), 3: (4, 8, 1, 4), 8: (8, 8, 1, 4), 9: (16, 4, 1, 4), 16: (16, 4, 1, 4),
+                     32: (32, 2, 1, 4), 64: (64, 1, 1, 4), 65: None}, tiles
     # the measured rule (H200, 132 SMs, top-8): 2 rows on 4 warps below 16 programs of 4 rows per SM, else 4 on 2
     for tokens, inter, tile in ((1, 256, (2, 4)), (4, 256, (2, 4)), (16, 256, (4, 2)), (1, 2048, (4, 2)),
                                 (4, 2048, (4, 2))):

@@ -368,7 +368,7 @@ def test_split_rows_mma_kernel_uses_int8_tensor_cores_within_budget(qtype, N):
 def test_moe_q8_kernels_use_dp4a_without_spills():
     """The per-pair MoE's int8-activation kernels at their production tiles (Q4_K gate+up: gate and up rows
     interleaved in one K loop, ``_gate_up_tile``'s two tiles; down: the slot loop with 16 rows and the slots side by
-    side, ``MOE_Q8_SLOTS_TILE`` x 8 slots), compiled for PDL: two IDP.4A per weight code word of a K step, over the
+    side, ``_slots_tile`` at top-8, 32 and 64), compiled for PDL: two IDP.4A per weight code word of a K step, over the
     program's threads, no spills, and ``griddepcontrol.wait`` before the first global load (in the PTX).  They
     use the one-row step, whose sum over words shuffles: measured faster here than the
     shuffle-free rows step at one row (H200, whole experts, 1 token: 123 against 132 us)."""
@@ -385,10 +385,11 @@ def test_moe_q8_kernels_use_dp4a_without_spills():
         kernels.append((up, 2 * bn, kbs, warps))
     kernels.append((_compile(gm._moe_down_q8_kernel, down_sig, dict(BLOCK_N=16, KBS=kbs, EMULATE=False, PDL=True),
                              ("hw_ptr", "w_ptr", "y_ptr")), 16, kbs, 4))
-    bn, skbs, warps = gm.MOE_Q8_SLOTS_TILE
-    kernels.append((_compile(gm._moe_down_q8_slots_kernel, down_sig, dict(SLOTS=8, BLOCK_N=bn, KBS=skbs,
-                                                                           EMULATE=False, PDL=True),
-                             ("hw_ptr", "w_ptr", "y_ptr"), num_warps=warps), 8 * bn, skbs, warps))
+    for topk in (8, 32, 64):  # GLM-5's top-8, and wider ones, whose rows per slot shrink (8 x 32 spilled)
+        slots, bn, skbs, warps = gm._slots_tile(topk)
+        kernels.append((_compile(gm._moe_down_q8_slots_kernel, down_sig, dict(SLOTS=slots, BLOCK_N=bn, KBS=skbs,
+                                                                               EMULATE=False, PDL=True),
+                                 ("hw_ptr", "w_ptr", "y_ptr"), num_warps=warps), slots * bn, skbs, warps))
     for k, rows, step_kbs, warps in kernels:
         sass, usage = _sass(k)
         assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage

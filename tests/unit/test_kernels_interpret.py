@@ -151,13 +151,15 @@ else:
         ref, bound = reference_moe(x, dequant(w13, q13), dequant(w2, q2), wts, ids)
         _check(y, ref, bound, rel_sum=2.0 ** -18, what="moe")
 
-    @pytest.mark.parametrize("q2,slots_max", [(Q.Q4_K, None), (Q.Q4_K, 0), (Q.Q6_K, None)],
-                             ids=["Q4_K-slots-side-by-side", "Q4_K-slot-loop", "Q6_K"])
-    def test_moe_q8_computes_its_int8_model(q2, slots_max, monkeypatch):
+    @pytest.mark.parametrize("q2,slots_max,topk", [(Q.Q4_K, None, 3), (Q.Q4_K, 0, 3), (Q.Q6_K, None, 3),
+                                                   (Q.Q4_K, None, 16)],
+                             ids=["Q4_K-slots-side-by-side", "Q4_K-slot-loop", "Q6_K", "Q4_K-top-16"])
+    def test_moe_q8_computes_its_int8_model(q2, slots_max, topk, monkeypatch):
         """The int8-activation per-pair MoE (Q4_K gate+up; down too when w2 is Q4_K, else the fp32 decode), dp4a
         emulated, on ``_moe_case`` with a third slot (top-3: the down kernel with slots side by side pads them to
         4) and 3 super-blocks of hidden size (steps of 2: a partial last step); w2 rows of 2 super-blocks take
-        the slots side by side (``MOE_Q8_SLOTS_MAX_BLOCKS``), or with ``slots_max`` 0 the slot loop:
+        the slots side by side (``MOE_Q8_SLOTS_MAX_BLOCKS``), or with ``slots_max`` 0 the slot loop; and one token
+        routed top-16 (1 super-block each way: the slots side by side with 4 rows per slot, ``_slots_tile``):
         - within ``q8_moe_bound`` (+ fp32 sums) of the exact MLP, and not bit-equal to q8=False (the path ran);
         - sharp: within fp32 rounding (2^-18 of ``reference_moe``'s bound) plus codes of h at a tie
           (``q8_moe_model``'s ``tie``) of the float64 value of its own int8 arithmetic.  That budget is < 10 % of
@@ -168,9 +170,15 @@ else:
         if slots_max is not None:  # the package exports the function gguf_moe under the module's name
             monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
         q13 = Q.Q4_K
-        x, w13, w2, ids, wts = _moe_case(q13, q2, _k(q13, 3), _k(q2, 2), 100 + int(q2))
-        ids = torch.cat([ids, torch.tensor([[1], [0], [1]], dtype=torch.int32)], dim=1)
-        wts = torch.cat([wts, torch.tensor([[0.7], [0.2], [0.4]])], dim=1)
+        blocks = (3, 2) if topk == 3 else (1, 1)  # super-blocks of H and of the intermediate
+        x, w13, w2, ids, wts = _moe_case(q13, q2, _k(q13, blocks[0]), _k(q2, blocks[1]), 100 + int(q2) + topk % 3)
+        if topk == 3:
+            ids = torch.cat([ids, torch.tensor([[1], [0], [1]], dtype=torch.int32)], dim=1)
+            wts = torch.cat([wts, torch.tensor([[0.7], [0.2], [0.4]])], dim=1)
+        else:  # repeated experts and two dropped slots, distinct weights
+            x, ids = x[:1], torch.tensor([[2, 0, 1, 1, -1, 2, 0, 0, 1, 2, -1, 1, 0, 2, 2, 1]], dtype=torch.int32)
+            order = torch.randperm(topk, generator=torch.Generator().manual_seed(3))
+            wts = torch.linspace(0.05, 1.0, topk)[order][None]
         args = (x, torch.from_numpy(w13), torch.from_numpy(w2), wts, ids, q13, q2)
         y = gguf_moe(*args, q8=True).double()
         assert not torch.equal(y, gguf_moe(*args, q8=False).double())

@@ -331,6 +331,10 @@ MOE_Q8_GATE_UP_MIN_PER_SM = 16
 #: slot loop) 78.5 / 89.9, 301.7 / 335.1, 1,118.6 / 1,221.6.
 MOE_Q8_SLOTS_MAX_BLOCKS = 2
 MOE_Q8_SLOTS_TILE = (8, 1, 4)  # (rows, super-blocks per step, warps)
+#: rows of that kernel's tile (slots x rows per slot) for top-k above 8: the rows per slot shrink to keep it at 64
+#: (compiled for sm_90: 112 registers from 8 to 64 slots, no spills; 8 rows x 32 slots took 255 registers and
+#: spilled 232 bytes); past 64 slots the slot loop.  Only top-8 (GLM-5's) was timed.
+MOE_Q8_SLOTS_MAX_ROWS = 64
 #: tokens up to which the per-pair path with int8 gate+up and down beats the grouped one (each pair re-reads its
 #: expert).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens
 #: 614 / 1,119, 128 tokens 1,203 / 1,327; whole experts 64 tokens 4,631 / 8,919, 128 tokens 9,164 / 10,629; at 256
@@ -357,6 +361,15 @@ def _gate_up_tile(pairs: int, inter: int, sms: int) -> tuple[int, int]:
     if pairs * triton.cdiv(inter, 4) < MOE_Q8_GATE_UP_MIN_PER_SM * sms:
         return 2, 4
     return 4, 2
+
+
+def _slots_tile(topk: int) -> tuple[int, int, int, int] | None:
+    """(SLOTS, BLOCK_N, KBS, num_warps) of ``_moe_down_q8_slots_kernel`` for ``topk`` slots: ``MOE_Q8_SLOTS_TILE``
+    with the rows per slot cut so that the tile has at most MOE_Q8_SLOTS_MAX_ROWS rows; None past that many slots."""
+    slots = _pow2_at_least(topk)
+    bn, kbs, warps = MOE_Q8_SLOTS_TILE
+    bn = min(bn, MOE_Q8_SLOTS_MAX_ROWS // slots)
+    return (slots, bn, kbs, warps) if bn >= 1 else None
 
 
 def _kbs(qtype: int, nb: int) -> int:
@@ -455,10 +468,11 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if q8 and q2 == Q4_K:
         hq, hd, hs = quantize_activations(h, pdl=pdl)
         args = (hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, w2w.stride(0), w2w.stride(1), y.stride(0))
-        if nb2 <= MOE_Q8_SLOTS_MAX_BLOCKS:
-            bn, kbs, warps = MOE_Q8_SLOTS_TILE
+        tile = _slots_tile(k) if nb2 <= MOE_Q8_SLOTS_MAX_BLOCKS else None
+        if tile is not None:
+            slots, bn, kbs, warps = tile
             _moe_down_q8_slots_kernel[(T_, triton.cdiv(H, bn))](
-                *args, SLOTS=_pow2_at_least(k), BLOCK_N=bn, KBS=kbs, EMULATE=emulate, PDL=pdl, num_warps=warps,
+                *args, SLOTS=slots, BLOCK_N=bn, KBS=kbs, EMULATE=emulate, PDL=pdl, num_warps=warps,
                 **pdl_launch(pdl))
         else:
             _moe_down_q8_kernel[(T_, triton.cdiv(H, bn))](*args, BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb2)),
