@@ -3,7 +3,9 @@
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so outside the interpreter this file holds one test
 that re-runs the file in a fresh interpreter process.  Shapes are tiny (the interpreter runs programs one by one)
 but cover partial row tiles, partial K steps, split-K, several M tiles, padded and sliced weights, both the FMA
-and the tensor-core (``tl.dot``) paths, and every supported type.
+and the tensor-core (``tl.dot``) paths, and every supported type.  Every load and store is bounds-checked
+(``testing.triton_interpret.check_bounds``): a read past a tensor's view whose value no output keeps (a row clamp or
+an activation-row mask removed) fails here, where on a GPU only a memory checker would see it.
 
 The interpreter's ``tl.dot`` multiplies bf16 operands as raw 16-bit integers (triton 3.8
 ``InterpreterBuilder.create_dot``): below, bf16 operands are widened to fp32 first, which is what the GPU's bf16 MMA
@@ -41,9 +43,10 @@ else:
     from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
     from glm5serve.quantize import quantize
 
-    from glm5serve.testing.triton_interpret import patch_bf16_dot
+    from glm5serve.testing.triton_interpret import check_bounds, patch_bf16_dot
 
     patch_bf16_dot()
+    check_bounds()  # every load and store of every kernel below stays inside its launch's tensors
 
     TYPES = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
     FP32_EPS = 2.0 ** -20  # fp32 accumulation over <= 1024 terms, with margin
@@ -594,6 +597,32 @@ else:
             gguf_linear_split_mma(x, q40, split_type(Q.Q4_0), 5)
         with pytest.raises(ValueError, match="x must be .M, K. bf16/fp16/fp32"):
             gguf_linear_split_mma(x.to(torch.int8), q40, split_type(Q.Q4_0), 4)
+
+    def test_bounds_check_catches_reads_and_writes_past_a_view():
+        """``check_bounds`` (on for this file): a kernel that reads one element past the view it was given (into the
+        rest of the storage, as a clamp or mask removed from a GEMV would) or writes past it fails with the kernel's
+        name; the same accesses masked off, or inside the view, pass."""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _copy(src_ptr, dst_ptr, n, extra, MASKED: tl.constexpr):
+            i = tl.arange(0, 8)
+            m = i < n + extra
+            v = tl.load(src_ptr + i, mask=m if not MASKED else i < n, other=0.0)
+            tl.store(dst_ptr + i, v, mask=m if not MASKED else i < n)
+
+        buf, out = torch.arange(16.0), torch.zeros(16)
+        src, dst = buf[:5], out[:6]  # views of larger storages
+        _copy[(1,)](src, dst, 5, 0, MASKED=False)
+        assert torch.equal(dst[:5], src) and out[5:].eq(0).all()
+        _copy[(1,)](src, dst, 5, 3, MASKED=True)  # the lanes past n are masked off: not checked
+        with pytest.raises(Exception, match=r"_copy: create_masked_load of 1 lane\(s\) out of bounds \(first at "
+                                            r"\+20 bytes from a tensor of 20 bytes\)"):
+            _copy[(1,)](src, dst, 5, 1, MASKED=False)  # reads src[5], inside buf but past the view
+        with pytest.raises(Exception, match=r"_copy: create_masked_store of 2 lane\(s\) out of bounds"):
+            _copy[(1,)](buf[:8], dst, 8, 0, MASKED=False)  # reads 8, writes 8 into a view of 6
+        assert out[6:].eq(0).all()  # the checked store was refused before it wrote
 
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)

@@ -6,6 +6,7 @@ re-runs it in a fresh process. Shapes are tiny (the interpreter runs programs on
 are not a multiple of the head tile, head dims that are not powers of two, partial blocks, lengths around the block
 size and the top-k width, split-K with empty splits, block strides wider than a block, physical and logical top-k
 indices, -1 padding at the end or scattered, and NaN in every cache row and query row no real token may read.
+Every load and store is bounds-checked (``testing.triton_interpret.check_bounds``).
 
 The interpreter's ``tl.dot`` multiplies bf16 operands as raw 16-bit integers (triton 3.8 ``InterpreterBuilder
 .create_dot``); below, bf16 operands are widened to fp32 first, which is what the GPU's bf16 MMA computes (exact
@@ -108,9 +109,10 @@ else:
     from glm5serve.mla.triton_mla import mla_decode, mla_prefill, mla_reference, prefill_kv_lens
     from glm5serve.schema import split_kv_b
 
-    from glm5serve.testing.triton_interpret import patch_bf16_dot
+    from glm5serve.testing.triton_interpret import check_bounds, patch_bf16_dot
 
     patch_bf16_dot()
+    check_bounds()  # every load and store of every kernel below stays inside its launch's tensors
 
     # Output error of one bf16/fp16 rounding of p and of the output, on O(1) values; LSE is fp32 throughout.
     # (vLLM's MLA backend tests allow rtol 1e-2 / atol 5e-1; these are far tighter.)
