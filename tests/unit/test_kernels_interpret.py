@@ -601,7 +601,8 @@ else:
     def test_bounds_check_catches_reads_and_writes_past_a_view():
         """``check_bounds`` (on for this file): a kernel that reads one element past the view it was given (into the
         rest of the storage, as a clamp or mask removed from a GEMV would) or writes past it fails with the kernel's
-        name; the same accesses masked off, or inside the view, pass."""
+        name; the same accesses masked off, or inside the view, pass.  Also int32 words read from a uint8 tensor (the
+        element size is the pointer's), atomics, and a launch nested in another's pre-run hook."""
         import triton
         import triton.language as tl
 
@@ -618,11 +619,34 @@ else:
         assert torch.equal(dst[:5], src) and out[5:].eq(0).all()
         _copy[(1,)](src, dst, 5, 3, MASKED=True)  # the lanes past n are masked off: not checked
         with pytest.raises(Exception, match=r"_copy: create_masked_load of 1 lane\(s\) out of bounds \(first at "
-                                            r"\+20 bytes from a tensor of 20 bytes\)"):
+                                            r"\+20 bytes from the nearest tensor argument, of 20 bytes\)"):
             _copy[(1,)](src, dst, 5, 1, MASKED=False)  # reads src[5], inside buf but past the view
         with pytest.raises(Exception, match=r"_copy: create_masked_store of 2 lane\(s\) out of bounds"):
             _copy[(1,)](buf[:8], dst, 8, 0, MASKED=False)  # reads 8, writes 8 into a view of 6
         assert out[6:].eq(0).all()  # the checked store was refused before it wrote
+
+        @triton.jit
+        def _words(src_ptr, dst_ptr, at, n):  # int32 words of a uint8 tensor, from byte `at`, as the GGUF kernels
+            i = tl.arange(0, 4)
+            w = (src_ptr + at).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(dst_ptr + i, tl.load(w + i, mask=i < n, other=0), mask=i < n)
+
+        u8, acc = torch.arange(16, dtype=torch.uint8), torch.zeros(8, dtype=torch.int32)
+        _words[(1,)](u8, acc[:4], 0, 4)  # the last whole word of the tensor is in bounds
+        with pytest.raises(Exception, match=r"_words: create_masked_load of 1 lane\(s\) out of bounds"):
+            _words[(1,)](u8, acc[:4], 1, 4)  # the fourth word straddles the end by one byte
+        assert torch.equal(acc[:4], u8.view(torch.int32)) and acc[4:].eq(0).all()
+        before = acc.clone()
+        with pytest.raises(Exception, match=r"_words: create_atomic_rmw of 1 lane\(s\) out of bounds"):
+            _words[(1,)](u8, acc[:3], 0, 4)  # the atomic's fourth lane is past a view of 3
+        assert torch.equal(acc, before)  # refused before it added anything
+        # a launch from inside another (a pre-run hook) checks against its own tensors, then the outer's again
+        _words.add_pre_run_hook(lambda *a, **k: _copy[(1,)](buf, out, 8, 0, MASKED=False))
+        try:
+            with pytest.raises(Exception, match=r"_words: create_masked_load of 1 lane\(s\) out of bounds"):
+                _words[(1,)](u8, acc[:4], 1, 4)
+        finally:
+            _words.pre_run_hooks.clear()
 
     def test_bad_input_is_rejected():
         w = torch.zeros(4, 144, dtype=torch.uint8)

@@ -331,9 +331,10 @@ MOE_Q8_GATE_UP_MIN_PER_SM = 16
 #: slot loop) 78.5 / 89.9, 301.7 / 335.1, 1,118.6 / 1,221.6.
 MOE_Q8_SLOTS_MAX_BLOCKS = 2
 MOE_Q8_SLOTS_TILE = (8, 1, 4)  # (rows, super-blocks per step, warps)
-#: rows of that kernel's tile (slots x rows per slot) for top-k above 8: the rows per slot shrink to keep it at 64
-#: (compiled for sm_90: 112 registers from 8 to 64 slots, no spills; 8 rows x 32 slots took 255 registers and
-#: spilled 232 bytes); past 64 slots the slot loop.  Only top-8 (GLM-5's) was timed.
+#: rows of that kernel's tile (slots x rows per slot) for top-k above 8: the rows per slot shrink to keep it at the
+#: timed tile's 64 (compiled for sm_90: 111-112 registers from 8 to 64 slots, no spills; with 8 rows per slot, 16
+#: slots took 190 registers and 32 slots 255 with 232 bytes spilled); past 64 slots the slot loop.  Only top-8
+#: (GLM-5's) was timed.
 MOE_Q8_SLOTS_MAX_ROWS = 64
 #: tokens up to which the per-pair path with int8 gate+up and down beats the grouped one (each pair re-reads its
 #: expert).  Same run (session 8), per-pair int8 / grouped, us: TP=8 slices 64 tokens

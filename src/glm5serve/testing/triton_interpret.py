@@ -37,34 +37,61 @@ def check_bounds() -> None:
     """Make the interpreter fail any load, store or atomic whose live lanes (mask on) reach outside the tensors of the
     kernel's launch (idempotent): a CPU stand-in for compute-sanitizer's memcheck.
 
-    Each tensor argument allows the bytes of its view, [data_ptr, data_ptr + itemsize * (1 + sum((size - 1) *
-    stride))): a read past a view into the rest of its storage (a padded or sliced weight) counts as out of bounds,
-    as on a GPU it would read another tensor.  Masked-off lanes are not checked (the GPU does not touch them either).
-    A violation raises :class:`OutOfBounds` (the interpreter reports it as ``InterpreterError``) naming the kernel,
-    the operation, the number of bad lanes and the first one's offset from the nearest tensor argument.  Needs
+    Each tensor argument (also inside a tuple, a ``triton.reinterpret`` wrapper or a host ``TensorDescriptor``)
+    allows the bytes from its first to its last element, [data_ptr, data_ptr + itemsize * (1 + sum((size - 1) *
+    stride))): a read past the last row of a row slice into the rest of its storage (``w[:N]`` of a longer weight)
+    counts as out of bounds, as on a GPU it would read another tensor; the gaps inside a strided view (a padded
+    row's tail) do not.  Masked-off lanes are not checked (the GPU does not touch them either).  A violation raises
+    :class:`OutOfBounds` (the interpreter reports it as ``InterpreterError``) naming the kernel, the operation, the
+    number of bad lanes and the first one's offset from the nearest tensor argument.  A launch made while another is
+    being interpreted (a pre-run hook) checks against its own tensors, then the outer launch's again.  Needs
     ``TRITON_INTERPRET=1`` (triton 3.6-3.8 ``GridExecutor`` / ``InterpreterBuilder``).
     """
+    import inspect
+
     import numpy as np
     import torch
     from triton.runtime import interpreter as interp
 
     executor, builder = interp.GridExecutor, interp.InterpreterBuilder
-    if getattr(executor._init_args_hst, "_glm5serve_bounds", False):
+    if getattr(executor.__call__, "_glm5serve_bounds", False):
         return
-    init_args = executor._init_args_hst
-    launch: dict = {"kernel": "?", "ranges": []}  # the launch being interpreted (one at a time)
+    init_args, call = executor._init_args_hst, executor.__call__
+    launches: list[dict] = []  # the launches being interpreted, innermost last
+
+    def tensors(arg):
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (tuple, list)):
+            for a in arg:
+                yield from tensors(a)
+        elif hasattr(arg, "base") and hasattr(arg, "data_ptr"):  # triton.reinterpret's TensorWrapper
+            yield from tensors(arg.base)
+        elif hasattr(arg, "base") and hasattr(arg, "block_shape"):  # a host TensorDescriptor
+            yield from tensors(arg.base)
 
     def record(self, args_dev, kwargs):
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
         ranges = []
-        for arg in [*args_hst, *kwargs_hst.values()]:
-            if isinstance(arg, torch.Tensor) and arg.numel():
-                span = 1 + sum((n - 1) * s for n, s in zip(arg.shape, arg.stride()))
-                ranges.append((arg.data_ptr(), arg.data_ptr() + span * arg.element_size()))
-        launch.update(kernel=getattr(self.fn, "__name__", "?"), ranges=ranges)
+        for t in tensors([*args_hst, *kwargs_hst.values()]):
+            if t.numel():
+                span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+                ranges.append((t.data_ptr(), t.data_ptr() + span * t.element_size()))
+        if launches:
+            launches[-1]["ranges"] = ranges
         return args_hst, kwargs_hst
 
+    def interpret(self, *args, **kwargs):
+        launches.append({"kernel": getattr(self.fn, "__name__", "?"), "ranges": []})
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
     def check(op, ptrs, mask):
+        if not launches:
+            return
+        launch = launches[-1]
         p = np.asarray(ptrs.data).astype(np.int64)
         live = np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape) if mask is not None else True
         size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
@@ -76,21 +103,25 @@ def check_bounds() -> None:
             first = int(p[bad].flat[0])
             lo, hi = min(launch["ranges"], key=lambda r: min(abs(first - r[0]), abs(first - r[1])),
                          default=(0, 0))
-            where = f"{first - lo:+d} bytes from a tensor of {hi - lo} bytes" if hi else "no tensor arguments"
+            where = (f"{first - lo:+d} bytes from the nearest tensor argument, of {hi - lo} bytes" if hi
+                     else "no tensor arguments")
             raise OutOfBounds(f"{launch['kernel']}: {op} of {int(np.count_nonzero(bad))} lane(s) out of bounds "
                               f"(first at {where})")
 
     def wrap(name, ptr_at, mask_at):
         original = getattr(builder, name)
+        params = list(inspect.signature(original).parameters)[1:]  # without self
 
-        def checked(self, *args):
-            check(name, args[ptr_at], args[mask_at] if mask_at is not None else None)
-            return original(self, *args)
+        def checked(self, *args, **kwargs):
+            bound = dict(zip(params, args), **kwargs)
+            check(name, bound[params[ptr_at]], bound[params[mask_at]] if mask_at is not None else None)
+            return original(self, *args, **kwargs)
         setattr(builder, name, checked)
 
     wrap("create_masked_load", 0, 1)
     wrap("create_masked_store", 0, 2)
     wrap("create_atomic_rmw", 1, 3)
     wrap("create_atomic_cas", 0, None)
-    record._glm5serve_bounds = True
     executor._init_args_hst = record
+    interpret._glm5serve_bounds = True
+    executor.__call__ = interpret
