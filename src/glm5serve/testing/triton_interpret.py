@@ -65,9 +65,7 @@ def check_bounds() -> None:
         elif isinstance(arg, (tuple, list)):
             for a in arg:
                 yield from tensors(a)
-        elif hasattr(arg, "base") and hasattr(arg, "data_ptr"):  # triton.reinterpret's TensorWrapper
-            yield from tensors(arg.base)
-        elif hasattr(arg, "base") and hasattr(arg, "block_shape"):  # a host TensorDescriptor
+        elif hasattr(arg, "base"):  # triton.reinterpret's TensorWrapper, a host TensorDescriptor
             yield from tensors(arg.base)
 
     def record(self, args_dev, kwargs):
