@@ -161,13 +161,18 @@ def _shift(x, S: tl.constexpr):
 
 
 @triton.jit
-def _weights(bits, a, b, P: tl.constexpr):
+def _weights(bits, a, b, P: tl.constexpr, EXACT: tl.constexpr = False):
     """Weights a * u + b from ``bits = bits(1.0) | (u << P)``; a, b are per group ([BN, G]), bits [BN, G, T].
 
     ``bits`` read as fp32 is v = 1 + u * 2**(P-23), so a * u + b = a' * v + (b - a') with a' = a * 2**(23-P):
     one FMA per weight.  The code's top bit must sit at bit 22 (P = 23 - code bits): then a' is at most
-    256 a and rounding b - a' costs < 2**-15 of a, far below bf16 precision.
+    256 a and rounding b - a' costs < 2**-15 of a, far below bf16 precision.  EXACT (the STORE path,
+    ``dequantize_rows``): u is unpacked and a * u + b computed as gguf-py does (a * u is exact in fp32: an fp16
+    scale times a scale of <= 8 bits times a code of <= 8 bits), so each weight is rounded once.
     """
+    if EXACT:
+        u = (bits >> P) & ((1 << (23 - P)) - 1)
+        return u.to(tl.float32) * a[:, :, None] + b[:, :, None]
     v = bits.to(tl.float32, bitcast=True)
     a2 = a * (1 << (23 - P))
     return v * a2[:, :, None] + (b - a2)[:, :, None]
@@ -276,7 +281,7 @@ def _step_kquant45(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
         bits = tl.join(tl.join(_kquant_code(q, qh, 0, hi, P, FIVE), _kquant_code(q, qh, 2, hi, P, FIVE)),
                        tl.join(_kquant_code(q, qh, 1, hi, P, FIVE), _kquant_code(q, qh, 3, hi, P, FIVE)))
         bits = tl.reshape(bits, [q.shape[0], q.shape[1], 32])
-        w = _weights(bits | one, d * sc, -(dmin * mn), P)
+        w = _weights(bits | one, d * sc, -(dmin * mn), P, USE_DOT == STORE)
         acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kbase + 32 * hi, kmask, BLOCK_M, USE_DOT)
     return acc
 
@@ -328,8 +333,11 @@ def _step_q6_k(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
             # byte b of pair j is column 2j + b: join the two byte lanes into 16 consecutive columns
             bits = tl.join(_q6_k_code(ql, qs, nib, 0), _q6_k_code(ql, qs, nib, 1))
             bits = tl.reshape(bits, [ql.shape[0], ql.shape[1], 16])
-            # u at bit 17: v = 1 + u / 64, weight = a * v - 1.5 a with a = 64 d scale
-            w = (bits | one).to(tl.float32, bitcast=True) * a[:, :, None] + w_a[:, :, None]
+            if USE_DOT == STORE:  # d scale u - 32 d scale, rounded once (the FMA form rounds a * v near 1.5 a)
+                w = _weights(bits, a * 0.015625, -0.5 * a, 17, True)
+            else:
+                # u at bit 17: v = 1 + u / 64, weight = a * v - 1.5 a with a = 64 d scale
+                w = (bits | one).to(tl.float32, bitcast=True) * a[:, :, None] + w_a[:, :, None]
             kidx = (kb * 256 + h * 128 + 32 * c + 16 * s)[:, None] + i16[None, :]
             acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
@@ -355,7 +363,7 @@ def _step_q8_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
     # column 2j + b: the two byte lanes are joined into 32 consecutive columns
     bits = tl.join(_shift(q, 15) & (0xFF << 15), _shift(q, 7) & (0xFF << 15))
     bits = tl.reshape(bits, [q.shape[0], q.shape[1], 32]) ^ (one | 0x400000)
-    w = _weights(bits, d, -128.0 * d, 15)
+    w = _weights(bits, d, -128.0 * d, 15, USE_DOT == STORE)
     kidx = (kb * 32)[:, None] + tl.arange(0, 32)[None, :]
     kmask = tl.broadcast_to(bmask[:, None], [KBS, 32])
     return _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
@@ -415,7 +423,7 @@ def _step_q8_0_dot(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
                 eviction_policy="evict_first").to(tl.int32)
     # u = q + 128 (flip the sign bit) at bit 15: v = 1 + u / 256, weight = d * (u - 128)
     bits = (q << 15) ^ (_ONE | 0x400000)
-    w = _weights(bits, d, -128.0 * d, 15)
+    w = _weights(bits, d, -128.0 * d, 15, USE_DOT == STORE)
     kidx = (kb * 32)[:, None] + i[None, :]
     kmask = tl.broadcast_to(bmask[:, None], [KBS, 32])
     return _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
@@ -461,7 +469,7 @@ def _step_q45_0(acc, row_ptr, rmask, b0, nb, x_ptr, xoff, xmask, xscale,
     for hi in tl.static_range(2):
         bits = tl.join(_q5_0_code(qs, qhj, hi, 0, P, FIVE), _q5_0_code(qs, qhj, hi, 1, P, FIVE))
         bits = tl.reshape(bits, [qs.shape[0], qs.shape[1], 16])
-        w = _weights(bits | one, d, (-16.0 if FIVE else -8.0) * d, P)
+        w = _weights(bits | one, d, (-16.0 if FIVE else -8.0) * d, P, USE_DOT == STORE)
         kidx = (kb * 32)[:, None] + 16 * hi + tl.arange(0, 16)[None, :]
         acc = _accumulate(acc, w, x_ptr, xoff, xmask, xscale, kidx, kmask, BLOCK_M, USE_DOT)
     return acc
