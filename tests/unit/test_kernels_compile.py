@@ -133,11 +133,11 @@ def test_moe_kernels_compile_for_sm90(qtype):
     wt = "*i32" if qtype in g._WORD_TYPES else "*u8"
     const = dict(QTYPE=qtype, BLOCK_N=16, KBS=kbs, G=G, T=T)
     up = _compile(gm._moe_gate_up_kernel, dict(x_ptr="*bf16", w_ptr=wt, ids_ptr="*i32", h_ptr="*fp32", inter="i32",
-                                               nb="i32", topk="i32", stride_xm="i32", stride_we="i32",
+                                               nb="i32", topk="i32", E="i32", stride_xm="i32", stride_we="i32",
                                                stride_wn="i32", stride_hm="i32"), const, ("x_ptr", "w_ptr", "h_ptr"))
     down = _compile(gm._moe_down_kernel, dict(h_ptr="*fp32", w_ptr=wt, ids_ptr="*i32", wts_ptr="*fp32",
-                                              y_ptr="*bf16", hidden="i32", nb="i32", topk="i32", stride_hm="i32",
-                                              stride_we="i32", stride_wn="i32", stride_ym="i32"), const,
+                                              y_ptr="*bf16", hidden="i32", nb="i32", topk="i32", E="i32",
+                                              stride_hm="i32", stride_we="i32", stride_wn="i32", stride_ym="i32"), const,
                     ("h_ptr", "w_ptr", "y_ptr"))
     for k in (up, down):
         usage = _sass(k)[1]
@@ -373,7 +373,7 @@ def test_moe_q8_kernels_use_dp4a_without_spills():
     use the one-row step, whose sum over words shuffles: measured faster here than the
     shuffle-free rows step at one row (H200, whole experts, 1 token: 123 against 132 us)."""
     kbs = gm.MOE_Q8_KBS
-    common = dict(w_ptr="*i32", ids_ptr="*i32", nb="i32", topk="i32", stride_we="i32", stride_wn="i32")
+    common = dict(w_ptr="*i32", ids_ptr="*i32", nb="i32", topk="i32", E="i32", stride_we="i32", stride_wn="i32")
     down_sig = dict(hw_ptr="*i32", hd_ptr="*fp32", hs_ptr="*fp32", wts_ptr="*fp32", y_ptr="*bf16", hidden="i32",
                     stride_ym="i32", **common)
     kernels = []  # (compiled, rows of a K step, super-blocks per step, warps)

@@ -659,6 +659,90 @@ else:
             gguf_moe(torch.zeros(1, 256), w[None], w[None], torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32),
                      Q.Q4_K, Q.Q4_K, activation="gelu")
 
+    def test_bad_arguments_get_one_line_errors():
+        """Each entry point refuses what its kernels would read wrongly (found by a review that called them as a
+        new user would): a weight that is not (rows, bytes) (read as garbage or past its end), a bad N, a
+        ``dequantize_rows`` destination of the wrong shape, stride or dtype (stored past its end or scrambled),
+        launch parameters that would fail inside Triton, tensors on two devices, an integer x or float ids for the
+        MoE; K = 0 gives the empty sums, zeros."""
+        from glm5serve.kernels.gguf_gemv import dequantize_rows
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+        from glm5serve.kernels.gguf_split import can_split, split_rows, split_type
+
+        w, x = torch.zeros(4, 144, dtype=torch.uint8), torch.zeros(1, 256)
+        for bad in (w.reshape(-1), w[None]):
+            for call in (lambda: gguf_linear(x, bad, Q.Q4_K, 1), lambda: gguf_linear_q8(x, bad, Q.Q4_K, 1),
+                         lambda: dequantize_rows(bad, Q.Q4_K, 256, 1)):
+                with pytest.raises(ValueError, match=r"qweight must be \(rows, bytes\) uint8"):
+                    call()
+        for n in (-1, 2.0):
+            with pytest.raises(ValueError, match=f"N={n} must be an int >= 0"):
+                gguf_linear(x, w, Q.Q4_K, n)
+        s8 = split_rows(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64)
+        for qw, qtype, K in ((w, Q.Q4_K, 256), (s8, split_type(Q.Q8_0), 64)):
+            for out in (torch.empty(3, K), torch.empty(K, 4).t(), torch.empty(4, K, dtype=torch.int32)):
+                with pytest.raises(ValueError, match=rf"out must be \(4, {K}\) torch.float32"):
+                    dequantize_rows(qw, qtype, K, dtype=torch.float32, out=out)
+            with pytest.raises(ValueError, match="dtype torch.int32 is not bf16/fp16/fp32"):
+                dequantize_rows(qw, qtype, K, dtype=torch.int32)
+        for launch in (dict(split_k=0), dict(block_n=24), dict(kbs=3), dict(num_warps=64)):
+            with pytest.raises(ValueError, match="GemvConfig"):
+                gguf_linear_q8(x, w, Q.Q4_K, 4, **launch)
+        with pytest.raises(ValueError, match="x is on meta, qweight on cpu"):
+            gguf_linear(x.to("meta"), w, Q.Q4_K, 4)
+        with pytest.raises(ValueError, match="x is on meta, qweight on cpu"):
+            gguf_linear(x[:, :64].to("meta"), s8, split_type(Q.Q8_0), 4)
+        for call in (gguf_linear, gguf_linear_q8):
+            assert torch.equal(call(torch.zeros(2, 0), w, Q.Q4_K, 4), torch.zeros(2, 4))
+        assert split_rows(w[:0, :68], Q.Q8_0, 64).shape == (0, 68) and not can_split(Q.Q8_0, 64.0)
+        ids, wts = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+        for args in ((x.int(), ids, wts), (x, ids.float(), wts), (x, ids, wts.int())):
+            with pytest.raises(ValueError, match="bf16/fp16/fp32 x, signed integer topk_ids and float topk_weights"):
+                gguf_moe(args[0], w[None], w[None], args[2], args[1], Q.Q4_K, Q.Q4_K)
+        with pytest.raises(ValueError, match="must be on one device"):
+            gguf_moe(x, w[None], w[None], wts.to("meta"), ids, Q.Q4_K, Q.Q4_K)
+
+    @pytest.mark.parametrize("path", ["fp32", "q8-slots", "q8-slot-loop", "grouped"])
+    def test_moe_ids_outside_the_experts_contribute_nothing(path, monkeypatch):
+        """topk_ids of E or more (a routing bug, or ids of another rank's numbering) contribute nothing, as -1
+        does, on every path: y equals the run with those ids set to -1, bit for bit, and no kernel reads past w13
+        or w2 (bounds-checked; before, the per-pair kernels read expert E's rows: NaN, or a crash)."""
+        x, w13, w2, ids, wts = _moe_case(Q.Q4_K, Q.Q4_K, 256, 256, 7)
+        bad = torch.tensor([[0, 3], [1, -1], [1000, 2]], dtype=torch.int32)  # E = 3
+        if path == "q8-slot-loop":
+            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", 0)
+        kw = dict(grouped=True) if path == "grouped" else dict(q8=path != "fp32", grouped=False)
+        if path == "grouped":
+            x = x.to(torch.bfloat16)
+        y_bad, y_minus = (gguf_moe(x, torch.from_numpy(w13), torch.from_numpy(w2), wts, i, Q.Q4_K, Q.Q4_K, **kw)
+                          for i in (bad, torch.where(bad >= 3, -1, bad)))
+        assert torch.isfinite(y_bad).all() and y_bad.abs().sum() > 0 and torch.equal(y_bad, y_minus)
+
+    def test_nan_activations_propagate_on_the_int8_paths():
+        """A NaN in x makes its row of y NaN on every int8 path, as on the fp32 decode; the other row stays finite.
+        The activation quantizer's block maximum skips a NaN, which then became code 0: before, it vanished where
+        no exact block sum carries it (split rows on dp4a and tensor cores, Q6_K's int8 GEMV)."""
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+        from glm5serve.kernels.gguf_mma import gguf_linear_mma, gguf_linear_split_mma
+        from glm5serve.kernels.gguf_split import split_rows, split_type
+
+        runs = []
+        for qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K, Q.Q4_K, Q.Q5_K):
+            x, w, _, _ = _case(qtype, 2, 8, 512, 400 + int(qtype), dtype=torch.bfloat16)
+            x[0, 37] = float("nan")
+            if qtype in SPLIT_TYPES:
+                s = split_rows(w, qtype, 512)
+                runs.append((f"{qtype.name}/split", gguf_linear(x, s, split_type(qtype), 8)))
+                if qtype != Q.Q5_0:
+                    runs.append((f"{qtype.name}/split mma", gguf_linear_split_mma(
+                        x, s, split_type(qtype), 8, block_n=16, groups=8 if qtype == Q.Q6_K else 2)))
+            if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+                runs.append((f"{qtype.name} q8", gguf_linear_q8(x, w, qtype, 8, kbs=2)))
+            if qtype in (Q.Q4_K, Q.Q5_K):
+                runs.append((f"{qtype.name} mma", gguf_linear_mma(x, w, qtype, 8, block_n=16)))
+        for name, y in runs:
+            assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all(), name
+
     def test_supports():
         assert supports(Q.Q4_K, 1, 2048, 6144) and supports(Q.Q8_0, 16, 7, 32)
         assert supports(Q.Q4_K, 256, 2048, 6144) and not supports(Q.Q4_K, 257, 2048, 6144)  # prefill: the plugin's

@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 import os
 import re
 from pathlib import Path
@@ -116,6 +117,8 @@ class GemvConfig:
             v = getattr(self, name)
             if type(v) is not int or v < 1 or v & (v - 1):
                 raise ValueError(f"GemvConfig: {name}={v!r} is not a power of two")
+        if self.block_m > 64 or self.num_warps > 32:  # 32 warps: Triton's (and CUDA's) most per program
+            raise ValueError(f"GemvConfig: block_m={self.block_m} must be <= 64 and num_warps={self.num_warps} <= 32")
         if type(self.split_k) is not int or self.split_k < 1 or type(self.prefetch) is not int or self.prefetch < 0:
             raise ValueError(f"GemvConfig: split_k={self.split_k!r} must be >= 1 and prefetch={self.prefetch!r} >= 0")
         if type(self.stages) is not int or self.stages < 1:
@@ -1017,20 +1020,35 @@ def supports(qtype: int, M: int, N: int, K: int) -> bool:
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, rows_dim: int = 0) -> int:
-    """Validate shapes; returns K."""
+def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str = "gguf kernels") -> int:
+    """Validate a GEMV's arguments (x (M, K), qweight (>= N, >= row_bytes) uint8 with contiguous rows, on x's
+    device, N an int >= 0); returns K.  Raises ValueError naming what does not fit."""
     if qtype not in SUPPORTED_QTYPES:
-        raise ValueError(f"gguf kernels: unsupported GGML type {qtype} (supported: {sorted(_NAMES.values())})")
+        raise ValueError(f"{fn}: unsupported GGML type {qtype} (supported: {sorted(_NAMES.values())})")
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"gguf kernels: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
-    if qweight.dtype != torch.uint8 or qweight.stride(-1) != 1:
-        raise ValueError(f"gguf kernels: qweight must be uint8 with contiguous rows, got {qweight.dtype}")
+        raise ValueError(f"{fn}: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(-1) != 1:
+        raise ValueError(f"{fn}: qweight must be (rows, bytes) uint8 with contiguous rows, got "
+                         f"{tuple(qweight.shape)} {qweight.dtype} strides {qweight.stride()}")
+    if qweight.device != x.device:
+        raise ValueError(f"{fn}: x is on {x.device}, qweight on {qweight.device}")
+    if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 0:
+        raise ValueError(f"{fn}: N={N!r} must be an int >= 0")
     qk, qb = BLOCK_SIZES[qtype]
     K = x.shape[1]
-    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[rows_dim] < N:
-        raise ValueError(f"gguf kernels: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
+    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
+        raise ValueError(f"{fn}: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
                          f"K={K} (K must be a multiple of {qk}, {K // qk * qb} bytes per row)")
     return K
+
+
+def _check_out(out: torch.Tensor, N: int, K: int, dtype: torch.dtype, device: torch.device, fn: str) -> None:
+    """Raise ValueError unless ``out`` is an (N, K) ``dtype`` tensor on ``device`` with contiguous, disjoint rows
+    (the dequantizers store row n at out + n * stride(0))."""
+    if out.shape != (N, K) or out.dtype != dtype or out.device != device or (K > 1 and out.stride(1) != 1) \
+            or (N > 1 and out.stride(0) < K):
+        raise ValueError(f"{fn}: out must be ({N}, {K}) {dtype} on {device} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
 
 
 def _as_words(qweight: torch.Tensor, qtype: int, unit: int | None = None) -> torch.Tensor:
@@ -1068,9 +1086,12 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
 
         return dequantize_split_rows(qweight, qtype, K, N, dtype, out)
     N = qweight.shape[0] if N is None else N
-    _check(torch.empty((0, K), dtype=dtype), qweight, qtype, N)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dequantize_rows: dtype {dtype} is not bf16/fp16/fp32")
+    _check(torch.empty((0, K), dtype=dtype, device=qweight.device), qweight, qtype, N, "dequantize_rows")
     if out is None:
         out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    _check_out(out, N, K, dtype, qweight.device, "dequantize_rows")
     if N == 0:
         return out
     nb = K // BLOCK_SIZES[qtype][0]
@@ -1131,7 +1152,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         return gguf_linear_split(x, qweight, qtype, N, config)
     K = _check(x, qweight, qtype, N)
     M = x.shape[0]
-    if M == 0 or N == 0:
+    if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -1163,8 +1184,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
     grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
     y, part, counters = _split_outputs(x, N, grid, block_m)
     pdl = pdl_value(x.device, blocks_per_split // config.kbs)
+    prefetch = config.prefetch if x.device.type == "cuda" else 0  # inline PTX: not under the interpreter
     _gemv_kernel[grid](x, w, y, part, counters, M, N, nb, blocks_per_split, x.stride(0), w.stride(0), y.stride(0),
                        QTYPE=qtype, BLOCK_M=block_m, BLOCK_N=config.block_n, KBS=config.kbs, G=G, T=T,
-                       USE_DOT=use_dot, SPLIT_K=split, PREFETCH=config.prefetch, PDL=pdl, num_warps=config.num_warps,
+                       USE_DOT=use_dot, SPLIT_K=split, PREFETCH=prefetch, PDL=pdl, num_warps=config.num_warps,
                        **pdl_launch(pdl))
     return y

@@ -66,7 +66,9 @@ from glm5serve.kernels.gguf_gemv import (
     Q6_K,
     Q8_TYPES,
     _NAMES,
+    GemvConfig,
     _as_words,
+    _check,
     _f16_hi,
     _f16_lo,
     _gdc_launch_dependents,
@@ -91,7 +93,8 @@ MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 d
 def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOCKS: tl.constexpr,
                        SUMS16: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
-    xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32), the exact sum of the 32 values at xs_ptr[m, b];
+    xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32; NaN where the block holds a NaN, so that every
+    product with it is NaN, as in the fp32 paths), the exact sum of the 32 values at xs_ptr[m, b];
     WHOLE: one d per chunk (the maximum over its BLOCKS * 32 values, at xd_ptr[m, chunk]; chunks must be whole);
     SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1].  PDL (launched
     with programmatic dependent launch): the GEMV behind may start at once; this kernel waits for the one before."""
@@ -103,18 +106,20 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOC
     bmask = b < K // 32
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.max(tl.abs(x), axis=1)  # a NaN is skipped here (max), not in the sum: it becomes the scale below
+    xsum = tl.sum(x, axis=1)
     if WHOLE:
         amax = tl.max(amax, axis=0)
+        total = tl.sum(xsum, axis=0)
         inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
         q = tl.floor(x * inv + 0.5).to(tl.int32)
-        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1), amax / 127.0)
+        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1), tl.where(total == total, amax / 127.0, total))
     else:
         inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
         q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
-        tl.store(xd_ptr + m * (K // 32) + b, amax / 127.0, mask=bmask)
+        tl.store(xd_ptr + m * (K // 32) + b, tl.where(xsum == xsum, amax / 127.0, xsum), mask=bmask)
     tl.store(xq_ptr + m * K + cols, q.to(tl.int8), mask=bmask[:, None])
-    tl.store(xs_ptr + m * (K // 32) + b, tl.sum(x, axis=1), mask=bmask)
+    tl.store(xs_ptr + m * (K // 32) + b, xsum, mask=bmask)
     if SUMS16:
         halves = tl.sum(tl.reshape(q, (BLOCKS * 2, 16)), axis=1)
         h = tl.program_id(1) * BLOCKS * 2 + tl.arange(0, BLOCKS * 2)
@@ -567,19 +572,19 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     Returns:
         (M, N) in x's dtype, accumulated in fp32.
     Raises:
-        ValueError: another type, K not a whole number of blocks, a block_m that is not a power of two up to 8, or
-            for Q6_K an odd number of blocks per row or an odd kbs.
+        ValueError: another type, x or qweight not as above (``gguf_gemv._check``), launch parameters that
+            ``GemvConfig`` refuses, a block_m that is not a power of two up to 8, or for Q6_K an odd number of
+            blocks per row or an odd kbs.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = int(qtype)
     if qtype not in Q8_KERNEL_TYPES:
         raise ValueError(f"gguf_linear_q8: {_NAMES.get(qtype, f'type {qtype}')} has no int8-activation kernel "
                          f"(supported: {', '.join(_NAMES[q] for q in sorted(Q8_KERNEL_TYPES))})")
-    M, K = x.shape
-    qk, qb = BLOCK_SIZES[qtype]
-    if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
-        raise ValueError(f"gguf_linear_q8: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
-                         f"K={K}")
+    K = _check(x, qweight, qtype, N, "gguf_linear_q8")
+    M = x.shape[0]
+    qk = BLOCK_SIZES[qtype][0]
+    GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, num_warps=num_warps, prefetch=prefetch)  # checks them
     if qtype in _PAIRED and (K // qk % 2 or kbs % 2):
         raise ValueError(f"gguf_linear_q8: {_NAMES[qtype]} is read in pairs of blocks: K={K} must hold an even number "
                          f"of blocks and kbs={kbs} be even")
@@ -587,7 +592,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
         block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
     if type(block_m) is not int or block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
-    if M == 0 or N == 0:
+    if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -58,13 +58,21 @@ from glm5serve.kernels.gguf_gemv_q8 import _dot_q4_k_q8, _kquant_words, _math_q4
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
+def _expert(ids, E):
+    """Expert ids as int64, -1 for those outside [0, E): every kernel below treats -1 as "not on this rank" (no
+    weight read, no contribution), as ``expert_groups`` drops them for the grouped path."""
+    e = ids.to(tl.int64)
+    return tl.where(e < E, e, -1)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk, E,
                         stride_xm, stride_we, stride_wn, stride_hm,
                         QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
                         G: tl.constexpr, T: tl.constexpr, PREFETCH: tl.constexpr = 0):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = _expert(tl.load(ids_ptr + pair), E)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = (rows < inter) & (e >= 0)  # e < 0: expert not on this rank (expert parallelism)
     base = w_ptr + tl.maximum(e, 0) * stride_we
@@ -81,7 +89,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk,
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
+def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E,
                      stride_hm, stride_we, stride_wn, stride_ym,
                      QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
                      G: tl.constexpr, T: tl.constexpr, PREFETCH: tl.constexpr = 0):
@@ -92,7 +100,7 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
     acc = _zero_acc(1, BLOCK_N, G, T, False)
     for s in range(topk):
         pair = tok * topk + s
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+        e = _expert(tl.load(ids_ptr + pair), E)
         wt = tl.load(wts_ptr + pair).to(tl.float32)
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
         # the routing weight scales this slot's activations: sum_s wt_s * (W_s @ h_s) in one accumulator
@@ -104,7 +112,7 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk,
 
 
 @triton.jit
-def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk, stride_we, stride_wn,
+def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk, E, stride_we, stride_wn,
                            stride_hm, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr,
                            PDL: tl.constexpr = False):
     """``_moe_gate_up_kernel`` for Q4_K ``w13`` (int32 words) with int8 activations (``quantize_activations`` of x,
@@ -116,7 +124,7 @@ def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter,
     pid_n = tl.program_id(1)
     if PDL:
         _gdc_wait()
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = _expert(tl.load(ids_ptr + pair), E)
     r = tl.arange(0, 2 * BLOCK_N)
     n = pid_n * BLOCK_N + r // 2
     rows = n + (r % 2) * inter  # gate row n, up row n, gate row n + 1, ...
@@ -131,7 +139,7 @@ def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter,
 
 
 @triton.jit
-def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, stride_we,
+def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E, stride_we,
                         stride_wn, stride_ym, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr,
                         PDL: tl.constexpr = False):
     """``_moe_down_kernel`` for Q4_K ``w2`` with h quantized to int8 blocks (one row per (token, slot) pair); each
@@ -145,16 +153,16 @@ def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, 
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     for s in range(topk):
         pair = (tok * topk + s).to(tl.int64)
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+        e = _expert(tl.load(ids_ptr + pair), E)
         wt = tl.load(wts_ptr + pair).to(tl.float32)
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
-        y += wt * _dot_q4_k_q8(row_ptr, rmask & (e >= 0), 0, nb, nb, hw_ptr + pair * nb * 64, hd_ptr + pair * nb * 8,
-                               hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
+        y += wt * _dot_q4_k_q8(row_ptr, rmask & (e >= 0), 0, nb, nb, hw_ptr + pair * nb * 64,
+                               hd_ptr + pair * nb * 8, hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
     tl.store(y_ptr + tok.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
-def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, stride_we,
+def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E, stride_we,
                               stride_wn, stride_ym, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
                               EMULATE: tl.constexpr, PDL: tl.constexpr = False):
     """``_moe_down_q8_kernel`` with the token's slots side by side: one tile of SLOTS x BLOCK_N rows (SLOTS: topk
@@ -170,7 +178,7 @@ def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y
     slot = r // BLOCK_N
     n = pid_n * BLOCK_N + r % BLOCK_N
     pair = tok * topk + slot
-    e = tl.load(ids_ptr + pair, mask=slot < topk, other=-1).to(tl.int64)
+    e = _expert(tl.load(ids_ptr + pair, mask=slot < topk, other=-1), E)
     wt = tl.load(wts_ptr + pair, mask=slot < topk, other=0.0).to(tl.float32)
     live = e >= 0
     row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + n.to(tl.int64) * stride_wn
@@ -193,6 +201,7 @@ def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y
     tl.store(y_ptr + tok * stride_ym + out, y.to(y_ptr.dtype.element_ty), mask=out < hidden)
 
 
+_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)  # topk_ids; -1 marks an expert on another rank
 GROUP_M = 16  # rows per expert group on the grouped path: at 256 experts a decode batch gives each a few pairs
 GROUPED_WARPS = 8  # with 4, the gate+up tile spills registers (tests/unit/test_kernels_compile.py)
 
@@ -383,12 +392,14 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     """Routed-expert MLP: y[t] = sum_s topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s].
 
     Args:
-        x: (T, H) bf16/fp16 (fp32 accepted) hidden states.
+        x: (T, H) bf16/fp16 hidden states (fp32 accepted on the per-pair path: up to MAX_FAST_M tokens).
         w13: (E, 2I, >= row_bytes(H)) uint8 raw GGUF rows; rows 0..I-1 are ``ffn_gate_exps``, I..2I-1
             ``ffn_up_exps`` (vLLM's w13), both of type ``qtype_w13``.
         w2: (E, H, >= row_bytes(I)) uint8 raw GGUF rows of ``ffn_down_exps``, type ``qtype_w2``.
         topk_weights: (T, k) float routing weights (applied to the expert outputs).
-        topk_ids: (T, k) int32/int64 expert indices into E; a negative id contributes nothing (expert parallelism).
+        topk_ids: (T, k) signed integer (vLLM: int32) expert indices into E; an id outside [0, E) contributes nothing (-1: an
+            expert on another rank, expert parallelism; ``expert_groups`` drops them the same way).  Ids are not
+            checked on the host (that would synchronise with the GPU), so a routing bug shows as missing terms.
         qtype_w13, qtype_w2: GGML type ids (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K).
         activation: only "silu" (SwiGLU, GLM-5's ``hidden_act``).
         grouped: None picks the path by T (``per_pair``: per-pair kernels up to MAX_FAST_M tokens, or
@@ -406,7 +417,8 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         activations are not supported.  With int8 activations each output moves by at most
         ``kernels.testing.q8_moe_bound`` more (``kernels.testing.q8_moe_model`` gives their exact arithmetic).
     Raises:
-        ValueError: unsupported type or activation, inconsistent shapes.
+        ValueError: unsupported type or activation, inconsistent shapes, dtypes (x not bf16/fp16/fp32, integer
+            ids, floating weights) or devices; fp32 x on the grouped path.
     Capture-safe under CUDA graphs (no host synchronisation, allocations through torch).
     """
     q13, q2 = int(qtype_w13), int(qtype_w2)
@@ -424,6 +436,14 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T_:
         raise ValueError(f"gguf_moe: topk_ids {tuple(topk_ids.shape)} / topk_weights "
                          f"{tuple(topk_weights.shape)} must both be (T={T_}, k)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+            or topk_ids.dtype not in _ID_DTYPES or not topk_weights.is_floating_point():
+        raise ValueError(f"gguf_moe: expected bf16/fp16/fp32 x, signed integer topk_ids and float topk_weights, got "
+                         f"{x.dtype}, {topk_ids.dtype}, {topk_weights.dtype}")
+    devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}
+    if len(devices) > 1:
+        raise ValueError(f"gguf_moe: x, w13, w2, topk_weights and topk_ids must be on one device, got "
+                         f"{sorted(map(str, devices))}")
     for name, w, q, K, N in (("w13", w13, q13, H, two_i), ("w2", w2, q2, inter, H)):
         qk, qb = BLOCK_SIZES[q]
         if two_i % 2 or K % qk or K // qk * qb > w.shape[2] or w.shape[1] != N or w.shape[0] != E \
@@ -452,7 +472,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         xq, xd, xs = quantize_activations(x, pdl=pdl)
         bn, warps = _gate_up_tile(T_ * k, inter, sms)
         _moe_gate_up_q8_kernel[(T_ * k, triton.cdiv(inter, bn))](
-            xq.view(torch.int32), xd, xs, w13w, ids, h, inter, nb13, k, w13w.stride(0), w13w.stride(1), h.stride(0),
+            xq.view(torch.int32), xd, xs, w13w, ids, h, inter, nb13, k, E, w13w.stride(0), w13w.stride(1), h.stride(0),
             BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb13)), EMULATE=emulate, PDL=pdl, num_warps=warps,
             **pdl_launch(pdl))
     else:
@@ -460,7 +480,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         G, T = tile_shape(q13, kbs)
         bn = _block_n(triton.cdiv(inter, 16), T_ * k, sms)
         _moe_gate_up_kernel[(T_ * k, triton.cdiv(inter, bn))](
-            x, w13w, ids, h, inter, nb13, k, x.stride(0), w13w.stride(0), w13w.stride(1), h.stride(0),
+            x, w13w, ids, h, inter, nb13, k, E, x.stride(0), w13w.stride(0), w13w.stride(1), h.stride(0),
             QTYPE=q13, BLOCK_N=bn, KBS=kbs, G=G, T=T, PREFETCH=_prefetch(x.device), num_warps=4)
 
     y = x.new_empty((T_, H))
@@ -468,7 +488,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     bn = _block_n(triton.cdiv(H, 16), T_, sms)
     if q8 and q2 == Q4_K:
         hq, hd, hs = quantize_activations(h, pdl=pdl)
-        args = (hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, w2w.stride(0), w2w.stride(1), y.stride(0))
+        args = (hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, E, w2w.stride(0), w2w.stride(1), y.stride(0))
         tile = _slots_tile(k) if nb2 <= MOE_Q8_SLOTS_MAX_BLOCKS else None
         if tile is not None:
             slots, bn, kbs, warps = tile
@@ -482,7 +502,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         kbs = _kbs(q2, nb2)
         G, T = tile_shape(q2, kbs)
         _moe_down_kernel[(T_, triton.cdiv(H, bn))](
-            h, w2w, ids, wts, y, H, nb2, k, h.stride(0), w2w.stride(0), w2w.stride(1), y.stride(0),
+            h, w2w, ids, wts, y, H, nb2, k, E, h.stride(0), w2w.stride(0), w2w.stride(1), y.stride(0),
             QTYPE=q2, BLOCK_N=bn, KBS=kbs, G=G, T=T, PREFETCH=_prefetch(x.device), num_warps=4)
     return y
 

@@ -33,6 +33,8 @@ GGUF (a row must be whole int32 words; ``can_split``).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
@@ -51,6 +53,7 @@ from glm5serve.kernels.gguf_gemv import (
     _NAMES,
     GemvConfig,
     _as_words,
+    _check_out,
     _gdc_wait,
     _pow2_at_least,
     _pow2_at_most,
@@ -96,7 +99,8 @@ def can_split(qtype: int, K: int) -> bool:
     """Whether rows of K elements of ``qtype`` have a split layout: a splittable type and an even number of
     blocks (the codes are read as int32 words; rows of 34 nb or 210 nb bytes are whole words only for even nb)."""
     qtype = int(qtype)
-    return qtype in SPLITTABLE and K > 0 and K % (2 * BLOCK_SIZES[qtype][0]) == 0
+    return (qtype in SPLITTABLE and isinstance(K, numbers.Integral) and K > 0
+            and K % (2 * BLOCK_SIZES[qtype][0]) == 0)
 
 
 def _q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -164,8 +168,10 @@ def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch
         raise ValueError(f"split rows: {type_name(qtype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold uint8 rows of {rb} bytes (K={K})")
     out = qweight.clone()
-    rows = qweight[..., :rb].reshape(-1, rb)
-    n = rows.shape[0]
+    n = math.prod(qweight.shape[:-1])
+    if n == 0:
+        return out
+    rows = qweight[..., :rb].reshape(n, rb)
     if qtype == Q6_K:
         new = _q6_k_split(rows.reshape(n, nb, bb)) if to_split else _q6_k_join(rows, nb).reshape(n, rb)
     elif to_split:  # GGUF block: d | (qh) | qs
@@ -589,18 +595,28 @@ def _dequant_split_kernel(w_ptr, out_ptr, N, nb, stride_wn, stride_on, QTYPE: tl
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
 
-def _check_split(qweight: torch.Tensor, stype: int, K: int, N: int) -> int:
-    """Validate a split weight; returns the GGML base type."""
+def _check_split(qweight: torch.Tensor, stype: int, K: int | None, N: int, x: torch.Tensor | None = None,
+                 fn: str = "split rows") -> int:
+    """Validate a split weight, and x (M, K) bf16/fp16/fp32 on the weight's device where given (K None: x's);
+    returns the GGML base type.  Raises ValueError naming what does not fit."""
+    if x is not None:
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{fn}: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+        if x.device != qweight.device:
+            raise ValueError(f"{fn}: x is on {x.device}, qweight on {qweight.device}")
+        K = x.shape[1] if K is None else K
     if int(stype) not in SPLIT_QTYPES:
-        raise ValueError(f"split rows: type id {stype} is not a split type ({sorted(SPLIT_QTYPES)})")
+        raise ValueError(f"{fn}: type id {stype} is not a split type ({sorted(SPLIT_QTYPES)})")
+    if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 0:
+        raise ValueError(f"{fn}: N={N!r} must be an int >= 0")
     qtype = base_type(stype)
     if not can_split(qtype, K):
-        raise ValueError(f"split rows: {type_name(stype)} rows of K={K} do not exist (need an even number of "
+        raise ValueError(f"{fn}: {type_name(stype)} rows of K={K} do not exist (need an even number of "
                          f"{BLOCK_SIZES[qtype][0]}-element blocks)")
     rb = K // BLOCK_SIZES[qtype][0] * BLOCK_SIZES[qtype][1]
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.stride(-1) != 1 or qweight.shape[-1] < rb \
             or qweight.shape[0] < N:
-        raise ValueError(f"split rows: {type_name(stype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
+        raise ValueError(f"{fn}: {type_name(stype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold {N} uint8 rows of {rb} bytes (K={K})")
     return qtype
 
@@ -620,8 +636,11 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
     Raises ValueError on a type or shape that does not fit (``_check_split``)."""
     N = qweight.shape[0] if N is None else N
     qtype = _check_split(qweight, stype, K, N)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dequantize_rows: dtype {dtype} is not bf16/fp16/fp32")
     if out is None:
         out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    _check_out(out, N, K, dtype, qweight.device, "dequantize_rows")
     if N == 0:
         return out
     nb = K // 32
@@ -763,7 +782,9 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     """y = x @ W[:N].T for a weight of split rows (``split_rows``).
 
     Args:
-        x: (M, K) bf16/fp16/fp32 activations, any M.
+        x: (M, K) bf16/fp16/fp32 activations, any M.  K must be the K the rows were split with: a split row's
+            fields sit at offsets that depend on K, so, unlike GGUF rows, it cannot be read as a shorter row (the
+            bytes past row_bytes may be padding, so a narrower x is not detected).
         qweight: (>= N, >= row_bytes) uint8 split rows (row_bytes as the GGUF row); rows must be contiguous.
         stype: split type id (``split_type(Q8_0)`` etc.).
         N: output features.
@@ -781,10 +802,8 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
         ValueError: not a split type, or shapes that do not fit.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
+    qtype = _check_split(qweight, stype, None, N, x)
     M, K = x.shape
-    qtype = _check_split(qweight, stype, K, N)
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"split rows: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
     if config is None and (M > MAX_FAST_M or x.dtype == torch.float32):
