@@ -216,8 +216,8 @@ else:
 
     @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
     def test_dequantize_rows_and_the_cublas_path(qtype):
-        """dequantize_rows (the decoder's STORE path) equals gguf-py's dequantizer bit for bit in fp32 (each weight
-        rounded once, in gguf-py's arithmetic) and within one bf16 ulp; gguf_linear past 16 rows (dequantize +
+        """dequantize_rows (the decoder's STORE path) equals gguf-py's dequantizer in fp32 (torch.equal: each
+        weight rounded once, in gguf-py's arithmetic; +0 and -0 count as equal) and within one bf16 ulp; gguf_linear past 16 rows (dequantize +
         matmul, in chunks) matches the reference."""
         from glm5serve.kernels import gguf_gemv
         from glm5serve.kernels.gguf_gemv import dequantize_rows
@@ -676,8 +676,15 @@ else:
                 with pytest.raises(ValueError, match=r"qweight must be \(rows, bytes\) uint8"):
                     call()
         for n in (-1, 2.0):
-            with pytest.raises(ValueError, match=f"N={n} must be an int >= 0"):
+            with pytest.raises(ValueError, match=f"gguf_linear: N={n} must be an int >= 0"):
                 gguf_linear(x, w, Q.Q4_K, n)
+        with pytest.raises(ValueError, match="dequantize_rows: K=256.0 must be an int >= 0"):
+            dequantize_rows(w, Q.Q4_K, 256.0)
+        with pytest.raises(ValueError, match=r"dequantize_rows: qweight must be \(rows, bytes\)"):
+            dequantize_rows(torch.zeros((), dtype=torch.uint8), Q.Q4_K, 256)
+        # numpy and torch integers are ints (Triton's launcher takes only int)
+        assert gguf_linear(x, w, Q.Q4_K, np.int64(3)).shape == gguf_linear_q8(x, w, Q.Q4_K, torch.tensor(3)).shape
+        assert dequantize_rows(w, Q.Q4_K, np.int64(256), np.int32(2)).shape == (2, 256)
         s8 = split_rows(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64)
         for qw, qtype, K in ((w, Q.Q4_K, 256), (s8, split_type(Q.Q8_0), 64)):
             for out in (torch.empty(3, K), torch.empty(K, 4).t(), torch.empty(4, K, dtype=torch.int32)):
@@ -742,6 +749,16 @@ else:
                 runs.append((f"{qtype.name} mma", gguf_linear_mma(x, w, qtype, 8, block_n=16)))
         for name, y in runs:
             assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all(), name
+        # finite +-3e38 whose block sum overflows to inf - inf = NaN: no NaN in x, so none in y (the NaN test looks
+        # at x itself; Q8_0 split rows do not use the block sums)
+        x, w, _, _ = _case(Q.Q8_0, 2, 4, 128, 3, dtype=torch.float32)
+        x[0, 64] = x[0, 72] = 3e38
+        x[0, 65] = x[0, 73] = -3e38
+        y = gguf_linear(x.bfloat16(), split_rows(w, Q.Q8_0, 128), split_type(Q.Q8_0), 4,
+                        GemvConfig(block_n=4, kbs=4, block_m=2, q8=True)).float()
+        ref = gguf_linear(x, w, Q.Q8_0, 4)
+        assert torch.isfinite(y).all() and torch.isfinite(ref).all()
+        torch.testing.assert_close(y, ref, rtol=0.02, atol=0)
 
     def test_supports():
         assert supports(Q.Q4_K, 1, 2048, 6144) and supports(Q.Q8_0, 16, 7, 32)
@@ -756,7 +773,7 @@ else:
     @pytest.mark.parametrize("qtype", SPLIT_TYPES, ids=lambda q: q.name)
     def test_split_rows_dequantize_exactly(qtype):
         """Split rows (``gguf_split``) decoded by their STORE kernel equal gguf-py's dequantizer of the GGUF rows they
-        came from, bit for bit in fp32 (d * code is exact), on 13 rows (a partial row tile) of 10 blocks (a partial
+        came from, equal in fp32 (d * code is exact; torch.equal, so +0 and -0 count as equal), on 13 rows (a partial row tile) of 10 blocks (a partial
         K step of 8; Q6_K: 2 blocks), from a row slice of a padded weight."""
         from glm5serve.kernels.gguf_gemv import dequantize_rows
         from glm5serve.kernels.gguf_split import split_rows, split_type

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import numbers
+import operator
 import os
 import re
 from pathlib import Path
@@ -170,8 +170,9 @@ def _weights(bits, a, b, P: tl.constexpr, EXACT: tl.constexpr = False):
     ``bits`` read as fp32 is v = 1 + u * 2**(P-23), so a * u + b = a' * v + (b - a') with a' = a * 2**(23-P):
     one FMA per weight.  The code's top bit must sit at bit 22 (P = 23 - code bits): then a' is at most
     256 a and rounding b - a' costs < 2**-15 of a, far below bf16 precision.  EXACT (the STORE path,
-    ``dequantize_rows``): u is unpacked and a * u + b computed as gguf-py does (a * u is exact in fp32: an fp16
-    scale times a scale of <= 8 bits times a code of <= 8 bits), so each weight is rounded once.
+    ``dequantize_rows``): u is unpacked and a * u + b computed as gguf-py does, each weight rounded once (a * u is
+    exact in fp32: fp16 d's 11 significant bits, times a sub-scale and a code, take at most 24 bits, Q6_K's
+    11 + 7 + 6 the most).  Equal in value to gguf-py's (a zero weight may come out +0 where gguf-py has -0).
     """
     if EXACT:
         u = (bits >> P) & ((1 << (23 - P)) - 1)
@@ -1020,9 +1021,21 @@ def supports(qtype: int, M: int, N: int, K: int) -> bool:
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
 
 
+def _index(v, name: str, fn: str) -> int:
+    """``v`` as a Python int (numpy and torch integers too: Triton's launcher takes only int); raises ValueError
+    naming ``fn`` unless it is an integer (``operator.index``) >= 0, bool excluded."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        i = -1
+    if isinstance(v, bool) or i < 0:
+        raise ValueError(f"{fn}: {name}={v!r} must be an int >= 0")
+    return i
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str = "gguf kernels") -> int:
     """Validate a GEMV's arguments (x (M, K), qweight (>= N, >= row_bytes) uint8 with contiguous rows, on x's
-    device, N an int >= 0); returns K.  Raises ValueError naming what does not fit."""
+    device, N an integer >= 0: callers pass int(N) on); returns K.  Raises ValueError naming what does not fit."""
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"{fn}: unsupported GGML type {qtype} (supported: {sorted(_NAMES.values())})")
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -1032,8 +1045,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str =
                          f"{tuple(qweight.shape)} {qweight.dtype} strides {qweight.stride()}")
     if qweight.device != x.device:
         raise ValueError(f"{fn}: x is on {x.device}, qweight on {qweight.device}")
-    if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 0:
-        raise ValueError(f"{fn}: N={N!r} must be an int >= 0")
+    N = _index(N, "N", fn)
     qk, qb = BLOCK_SIZES[qtype]
     K = x.shape[1]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
@@ -1085,7 +1097,8 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
         from glm5serve.kernels.gguf_split import dequantize_split_rows
 
         return dequantize_split_rows(qweight, qtype, K, N, dtype, out)
-    N = qweight.shape[0] if N is None else N
+    N = _index((qweight.shape[0] if qweight.dim() else 0) if N is None else N, "N", "dequantize_rows")
+    K = _index(K, "K", "dequantize_rows")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dequantize_rows: dtype {dtype} is not bf16/fp16/fp32")
     _check(torch.empty((0, K), dtype=dtype, device=qweight.device), qweight, qtype, N, "dequantize_rows")
@@ -1150,7 +1163,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         from glm5serve.kernels.gguf_split import gguf_linear_split
 
         return gguf_linear_split(x, qweight, qtype, N, config)
-    K = _check(x, qweight, qtype, N)
+    K, N = _check(x, qweight, qtype, N, "gguf_linear"), int(N)  # N: numpy or torch ints too (checked)
     M = x.shape[0]
     if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))

@@ -94,7 +94,7 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOC
                        SUMS16: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
     xq_ptr[m, 32b:32b+32], d = max|x| / 127 at xd_ptr[m, b] (fp32; NaN where the block holds a NaN, so that every
-    product with it is NaN, as in the fp32 paths), the exact sum of the 32 values at xs_ptr[m, b];
+    product with it is NaN, as in the fp32 paths), the sum of the 32 values at xs_ptr[m, b] (fp32);
     WHOLE: one d per chunk (the maximum over its BLOCKS * 32 values, at xd_ptr[m, chunk]; chunks must be whole);
     SUMS16: also the int32 sums of the codes of each 16 values at xi_ptr[m, 2b], xi_ptr[m, 2b + 1].  PDL (launched
     with programmatic dependent launch): the GEMV behind may start at once; this kernel waits for the one before."""
@@ -106,18 +106,19 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOC
     bmask = b < K // 32
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # a NaN is skipped here (max), not in the sum: it becomes the scale below
+    amax = tl.max(tl.abs(x), axis=1)  # skips a NaN, which would become code 0: the scale carries it instead
+    nan = tl.max((x != x).to(tl.int32), axis=1)  # not the sum's NaN: finite +-3e38 can sum to inf - inf
     xsum = tl.sum(x, axis=1)
     if WHOLE:
         amax = tl.max(amax, axis=0)
-        total = tl.sum(xsum, axis=0)
         inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
         q = tl.floor(x * inv + 0.5).to(tl.int32)
-        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1), tl.where(total == total, amax / 127.0, total))
+        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1),
+                 tl.where(tl.max(nan, axis=0) > 0, float("nan"), amax / 127.0))
     else:
         inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
         q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
-        tl.store(xd_ptr + m * (K // 32) + b, tl.where(xsum == xsum, amax / 127.0, xsum), mask=bmask)
+        tl.store(xd_ptr + m * (K // 32) + b, tl.where(nan > 0, float("nan"), amax / 127.0), mask=bmask)
     tl.store(xq_ptr + m * K + cols, q.to(tl.int8), mask=bmask[:, None])
     tl.store(xs_ptr + m * (K // 32) + b, xsum, mask=bmask)
     if SUMS16:
@@ -581,7 +582,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     if qtype not in Q8_KERNEL_TYPES:
         raise ValueError(f"gguf_linear_q8: {_NAMES.get(qtype, f'type {qtype}')} has no int8-activation kernel "
                          f"(supported: {', '.join(_NAMES[q] for q in sorted(Q8_KERNEL_TYPES))})")
-    K = _check(x, qweight, qtype, N, "gguf_linear_q8")
+    K, N = _check(x, qweight, qtype, N, "gguf_linear_q8"), int(N)
     M = x.shape[0]
     qk = BLOCK_SIZES[qtype][0]
     GemvConfig(block_n=block_n, kbs=kbs, split_k=split_k, num_warps=num_warps, prefetch=prefetch)  # checks them

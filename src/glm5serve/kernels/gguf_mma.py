@@ -259,7 +259,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
                          f"(supported: Q4_K, Q5_K)")
     if qweight.dim() != 2:
         raise ValueError(f"gguf_linear_mma: qweight must be (rows, bytes), got shape {tuple(qweight.shape)}")
-    K = _check(x, qweight, qtype, N, "gguf_linear_mma")
+    K, N = _check(x, qweight, qtype, N, "gguf_linear_mma"), int(N)
     M = x.shape[0]
     block_m = _tile_args("gguf_linear_mma", M, block_m, block_n, split_k)
     if kbs not in (1, 2):
@@ -452,7 +452,7 @@ def gguf_linear_split_mma(x: torch.Tensor, qweight: torch.Tensor, stype: int, N:
                          f"{'/split' if int(stype) != qtype else ''} has no split-row tensor-core kernel "
                          f"(supported: Q8_0, Q4_0 and Q6_K split rows)")
     _check_split(qweight, stype, None, N, x, "gguf_linear_split_mma")
-    M, K = x.shape
+    (M, K), N = x.shape, int(N)
     block_m = _tile_args("gguf_linear_split_mma", M, block_m, block_n, split_k)
     if groups not in ((1, 2, 4, 8) if qtype == Q8_0 else (2, 4, 8) if qtype == Q4_0 else (8,)):
         raise ValueError(f"gguf_linear_split_mma: groups={groups!r} must be 1, 2, 4 or 8 (Q4_0: 2, 4 or 8; Q6_K: 8)")

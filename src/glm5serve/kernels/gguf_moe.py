@@ -59,8 +59,9 @@ from glm5serve.kernels.gguf_gemv_q8 import _dot_q4_k_q8, _kquant_words, _math_q4
 
 @triton.jit
 def _expert(ids, E):
-    """Expert ids as int64, -1 for those outside [0, E): every kernel below treats -1 as "not on this rank" (no
-    weight read, no contribution), as ``expert_groups`` drops them for the grouped path."""
+    """Expert ids as int64, ids of E or more mapped to -1 (negative ids stay negative): every kernel below treats
+    e < 0 as "not on this rank" (no weight read, no contribution), as ``expert_groups`` drops them for the grouped
+    path."""
     e = ids.to(tl.int64)
     return tl.where(e < E, e, -1)
 
@@ -417,8 +418,8 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         activations are not supported.  With int8 activations each output moves by at most
         ``kernels.testing.q8_moe_bound`` more (``kernels.testing.q8_moe_model`` gives their exact arithmetic).
     Raises:
-        ValueError: unsupported type or activation, inconsistent shapes, dtypes (x not bf16/fp16/fp32, integer
-            ids, floating weights) or devices; fp32 x on the grouped path.
+        ValueError: unsupported type or activation, inconsistent shapes, dtypes (x not bf16/fp16/fp32, topk_ids
+            not a signed integer type, topk_weights not floating) or devices; fp32 x on the grouped path.
     Capture-safe under CUDA graphs (no host synchronisation, allocations through torch).
     """
     q13, q2 = int(qtype_w13), int(qtype_w2)

@@ -54,6 +54,7 @@ from glm5serve.kernels.gguf_gemv import (
     GemvConfig,
     _as_words,
     _check_out,
+    _index,
     _gdc_wait,
     _pow2_at_least,
     _pow2_at_most,
@@ -607,8 +608,7 @@ def _check_split(qweight: torch.Tensor, stype: int, K: int | None, N: int, x: to
         K = x.shape[1] if K is None else K
     if int(stype) not in SPLIT_QTYPES:
         raise ValueError(f"{fn}: type id {stype} is not a split type ({sorted(SPLIT_QTYPES)})")
-    if isinstance(N, bool) or not isinstance(N, numbers.Integral) or N < 0:
-        raise ValueError(f"{fn}: N={N!r} must be an int >= 0")
+    N = _index(N, "N", fn)
     qtype = base_type(stype)
     if not can_split(qtype, K):
         raise ValueError(f"{fn}: {type_name(stype)} rows of K={K} do not exist (need an even number of "
@@ -634,8 +634,10 @@ def dequantize_split_rows(qweight: torch.Tensor, stype: int, K: int, N: int | No
     """``gguf_gemv.dequantize_rows`` for split rows: (N, K) weights in ``dtype`` (bf16, fp16 or fp32), each rounded
     once from its exact value d * code; ``out``: optional (N, K) destination with contiguous rows.
     Raises ValueError on a type or shape that does not fit (``_check_split``)."""
-    N = qweight.shape[0] if N is None else N
-    qtype = _check_split(qweight, stype, K, N)
+    N = int(qweight.shape[0] if qweight.dim() else 0) if N is None else N
+    K = _index(K, "K", "dequantize_rows")
+    qtype = _check_split(qweight, stype, K, N, fn="dequantize_rows")
+    N = int(N)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dequantize_rows: dtype {dtype} is not bf16/fp16/fp32")
     if out is None:
@@ -802,8 +804,8 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
         ValueError: not a split type, or shapes that do not fit.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
-    qtype = _check_split(qweight, stype, None, N, x)
-    M, K = x.shape
+    qtype = _check_split(qweight, stype, None, N, x, "gguf_linear_split")
+    (M, K), N = x.shape, int(N)
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
     if config is None and (M > MAX_FAST_M or x.dtype == torch.float32):
