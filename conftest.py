@@ -42,3 +42,24 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_oracle_skip(outcome.get_result(), getattr(collector, "keywords", {}))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the tests at positions I, I + N, I + 2N, ... (0-based) of the selection: N "
+                          "pytest processes share one GPU host (.ci/gpu's GPU_SHARDS)")
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected theirs
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--shard {shard!r}: expected I/N with 0 <= I < N") from None
+    config.hook.pytest_deselected(items=[it for j, it in enumerate(items) if j % n != i])
+    items[:] = items[i::n]
