@@ -90,6 +90,24 @@ MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 d
 
 
 @triton.jit
+def _int8_codes(x, amax):
+    """llama.cpp's ``quantize_row_q8_1`` rounding (ggml-quants.c): codes floor(x * 127 / amax + 0.5) as int32, with
+    |codes| <= 127 (x * 127 / amax rounds to at most 127.00001); 0 where amax == 0.  amax broadcasts against x."""
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    return tl.floor(x * inv + 0.5).to(tl.int32)
+
+
+@triton.jit
+def _round_blocks(x):
+    """x: fp32 [R, 32], R blocks of 32 values -> (codes int32 [R, 32], d fp32 [R]): d = max|x| / 127, or NaN where
+    the block holds a NaN (max|x| skips it, its code is 0: the scale carries it, so that every product with the block
+    is NaN, as in the fp32 paths)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    nan = tl.max((x != x).to(tl.int32), axis=1)  # not the sum's NaN: finite +-3e38 can sum to inf - inf
+    return _int8_codes(x, amax[:, None]), tl.where(nan > 0, float("nan"), amax / 127.0)
+
+
+@triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOCKS: tl.constexpr,
                        SUMS16: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Grid (M, column chunks of BLOCKS * 32).  Row m's 32-value block b: codes round(x / d) (int8) at
@@ -106,19 +124,15 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xd_ptr, xs_ptr, xi_ptr, K, stride_xm, BLOC
     bmask = b < K // 32
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m * stride_xm + cols, mask=bmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # skips a NaN, which would become code 0: the scale carries it instead
-    nan = tl.max((x != x).to(tl.int32), axis=1)  # not the sum's NaN: finite +-3e38 can sum to inf - inf
     xsum = tl.sum(x, axis=1)
-    if WHOLE:
-        amax = tl.max(amax, axis=0)
-        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        q = tl.floor(x * inv + 0.5).to(tl.int32)
-        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1),
-                 tl.where(tl.max(nan, axis=0) > 0, float("nan"), amax / 127.0))
+    if WHOLE:  # one d for the whole chunk
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+        q = _int8_codes(x, amax)
+        tl.store(xd_ptr + m * (K // (32 * BLOCKS)) + tl.program_id(1), tl.where(nan > 0, float("nan"), amax / 127.0))
     else:
-        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # |q| <= 127 (x * inv rounds to at most 127.00001)
-        tl.store(xd_ptr + m * (K // 32) + b, tl.where(nan > 0, float("nan"), amax / 127.0), mask=bmask)
+        q, d = _round_blocks(x)
+        tl.store(xd_ptr + m * (K // 32) + b, d, mask=bmask)
     tl.store(xq_ptr + m * K + cols, q.to(tl.int8), mask=bmask[:, None])
     tl.store(xs_ptr + m * (K // 32) + b, xsum, mask=bmask)
     if SUMS16:

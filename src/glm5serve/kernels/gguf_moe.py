@@ -56,7 +56,13 @@ from glm5serve.kernels.gguf_gemv import (
     pdl_value,
     tile_shape,
 )
-from glm5serve.kernels.gguf_gemv_q8 import _dot_q4_k_q8, _kquant_words, _math_q4_k_q8, quantize_activations
+from glm5serve.kernels.gguf_gemv_q8 import (
+    _dot_q4_k_q8,
+    _kquant_words,
+    _math_q4_k_q8,
+    _round_blocks,
+    quantize_activations,
+)
 
 
 @triton.jit
@@ -117,16 +123,14 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E,
 @triton.jit
 def _quantize_block(v_ptr, q_ptr, d_ptr, s_ptr, blk):
     """Round the 32 fp32 values v_ptr[32 blk:32 blk + 32] (read from L2: other programs wrote them) to int8 codes at
-    q_ptr[32 blk:], their scale d at d_ptr[blk] and their sum at s_ptr[blk]: ``gguf_gemv_q8._quantize_x_kernel``'s
-    arithmetic for one block (d = max|v| / 127, NaN where v holds a NaN; codes floor(v / d + 0.5))."""
-    cols = blk * 32 + tl.arange(0, 32)
+    q_ptr[32 blk:], their scale d at d_ptr[blk] and their sum at s_ptr[blk], with the activation quantizer's
+    rounding (``gguf_gemv_q8._round_blocks``)."""
+    cols = blk * 32 + tl.arange(0, 32)[None, :]
     v = tl.load(v_ptr + cols, cache_modifier=".cg")
-    amax = tl.max(tl.abs(v), axis=0)
-    nan = tl.max((v != v).to(tl.int32), axis=0)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    tl.store(q_ptr + cols, tl.floor(v * inv + 0.5).to(tl.int32).to(tl.int8))
-    tl.store(d_ptr + blk, tl.where(nan > 0, float("nan"), amax / 127.0))
-    tl.store(s_ptr + blk, tl.sum(v, axis=0))
+    q, d = _round_blocks(v)
+    tl.store(q_ptr + cols, q.to(tl.int8))
+    tl.store(d_ptr + blk + tl.arange(0, 1), d)
+    tl.store(s_ptr + blk + tl.arange(0, 1), tl.sum(v, axis=1))
 
 
 @triton.jit
