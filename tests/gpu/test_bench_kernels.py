@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import json
 import math
 import os
@@ -238,18 +237,8 @@ def test_bench_moe(benchmark, results, copy_bw, layout, T):
             plugin_us, plugin_err = _try_time(lambda: [functools.partial(plugin, x, w13, w2, wts, ids, int(q), int(q),
                                                                          "silu") for ids, wts in routes])
     ours_us, graph = _graph_us(ours)
-    # the path before h was rounded in the gate+up kernel (MOE_Q8_QUANT_H): its own quantizer launch
-    gm = importlib.import_module("glm5serve.kernels.gguf_moe")
-    h_launch_us = None
-    if gm.MOE_Q8_QUANT_H and gm.per_pair(q, q, T, q8=True):
-        gm.MOE_Q8_QUANT_H = False
-        try:
-            h_launch_us = _graph_us(ours)[0]
-        finally:
-            gm.MOE_Q8_QUANT_H = True
     row = dict(kind="moe", shape=f"MoE 256 experts top-8, I={inter}", layout=layout, N=MOE_H, K=inter,
-               type=q.name, batch=T, weight_MB=mean_bytes / 1e6, ours_us=ours_us, h_launch_us=h_launch_us,
-               plugin_us=plugin_us,
+               type=q.name, batch=T, weight_MB=mean_bytes / 1e6, ours_us=ours_us, plugin_us=plugin_us,
                cublas_bf16_us=None, ours_GBps=mean_bytes / ours_us / 1e3,
                copy_fraction=mean_bytes / (ours_us * 1e-6) / copy_bw,
                x_plugin=plugin_us / ours_us if plugin_us else None, x_cublas=None,
@@ -300,9 +289,6 @@ def _write_report(rows: list[dict], copy_bw: float, echo: bool = True) -> None:
               f"- past decode (batch {'/'.join(map(str, LARGE_BATCHES))}), faster than the plugin: "
               f"{sum(r['x_plugin'] > 1 for r in large)}/{len(large)} "
               f"(min {min((r['x_plugin'] for r in large), default=0):.2f}x)",
-              "", "MoE, glm5serve us with h rounded to int8 in the gate+up kernel / in a launch of its own (the path "
-              "before, same run): " + "; ".join(f"{r['layout']} batch {r['batch']}: {r['ours_us']:.1f} / "
-                                                f"{r['h_launch_us']:.1f}" for r in rows if r.get("h_launch_us")),
               "", "Plugin backend / errors: " + "; ".join(sorted({str(r['plugin']) for r in rows}))]
     text = "\n".join(lines)
     if echo:

@@ -4,7 +4,6 @@ Triton interpreter, and the weight views handed to the kernels are aligned for t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 
@@ -372,10 +371,8 @@ def test_every_launch_site_pairs_launch_pdl_with_the_wait(monkeypatch):
 
 
 def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeypatch):
-    """The int8 per-pair MoE launches quantizer, gate+up (rounding h itself for a Q4_K down: QUANT_H, with
-    ``MOE_Q8_QUANT_H``), down, or with ``MOE_Q8_QUANT_H`` off quantizer, gate+up, quantizer, down, each with
-    ``launch_pdl`` exactly when it is compiled with PDL (never under ``off``); an fp32-decode projection launches
-    plainly.  Down takes the slots
+    """The int8 per-pair MoE launches quantizer, gate+up, quantizer, down, each with ``launch_pdl`` exactly when it
+    is compiled with PDL (never under ``off``); an fp32-decode projection launches plainly.  Down takes the slots
     side by side (``_slots_tile``: SLOTS = top-k rounded up to a power of two, up to MOE_Q8_SLOTS_MAX_ROWS) for w2
     rows of up to MOE_Q8_SLOTS_MAX_BLOCKS super-blocks, else the slot loop; gate+up takes ``_gate_up_tile``."""
     import sys
@@ -394,10 +391,8 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
         value = {"off": 0, "wait": 1, "prefetch": 1 + gguf_gemv.PDL_MAX_STEPS}[mode]  # pdl_value on a capable GPU
         for mod in (gguf_gemv_q8, gm):
             monkeypatch.setattr(mod, "pdl_value", lambda device, steps, value=value: value)
-        for quant_h, (blocks, q2) in itertools.product(
-                (True, False), ((1, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS + 1, Q4_K),
-                                (1, gguf_gemv.Q6_K))):
-            monkeypatch.setattr(gm, "MOE_Q8_QUANT_H", quant_h)
+        for blocks, q2 in ((1, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS, Q4_K), (gm.MOE_Q8_SLOTS_MAX_BLOCKS + 1, Q4_K),
+                           (1, gguf_gemv.Q6_K)):
             inter = 256 * blocks
             w13 = torch.zeros(E, 2 * inter, H // 256 * 144, dtype=torch.uint8)
             w2 = torch.zeros(E, H, blocks * gguf_gemv.BLOCK_SIZES[q2][1], dtype=torch.uint8)
@@ -406,9 +401,7 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
             down = ("_moe_down_kernel" if q2 != Q4_K else "_moe_down_q8_slots_kernel"
                     if blocks <= gm.MOE_Q8_SLOTS_MAX_BLOCKS else "_moe_down_q8_kernel")
             names = [n for n, _ in log]
-            h_quantizer = q2 == Q4_K and not quant_h
-            assert names == ["quantize", "_moe_gate_up_q8_kernel"] + (["quantize"] if h_quantizer else []) + [down]
-            assert dict(log)["_moe_gate_up_q8_kernel"]["QUANT_H"] == (q2 == Q4_K and quant_h)
+            assert names == ["quantize", "_moe_gate_up_q8_kernel"] + (["quantize"] if q2 == Q4_K else []) + [down]
             for name, kw in log:
                 pdl = mode != "off" and name != "_moe_down_kernel"
                 assert bool(kw.get("launch_pdl")) == bool(kw.get("PDL")) == pdl, (mode, name, kw)

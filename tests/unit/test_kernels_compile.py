@@ -379,10 +379,9 @@ def test_moe_q8_kernels_use_dp4a_without_spills():
     kernels = []  # (compiled, rows of a K step, super-blocks per step, warps)
     for bn, warps in {gm._gate_up_tile(8, 256, 132), gm._gate_up_tile(8, 2048, 132)}:
         up = _compile(gm._moe_gate_up_q8_kernel, dict(xw_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", h_ptr="*fp32",
-                                                      hq_ptr="*i8", hd_ptr="*fp32", hs_ptr="*fp32", count_ptr="*i32",
                                                       inter="i32", stride_hm="i32", **common),
-                      dict(BLOCK_N=bn, KBS=kbs, EMULATE=False, PDL=True, QUANT_H=gm.MOE_Q8_QUANT_H),
-                      ("xw_ptr", "w_ptr", "h_ptr"), num_warps=warps)
+                      dict(BLOCK_N=bn, KBS=kbs, EMULATE=False, PDL=True), ("xw_ptr", "w_ptr", "h_ptr"),
+                      num_warps=warps)
         kernels.append((up, 2 * bn, kbs, warps))
     kernels.append((_compile(gm._moe_down_q8_kernel, down_sig, dict(BLOCK_N=16, KBS=kbs, EMULATE=False, PDL=True),
                              ("hw_ptr", "w_ptr", "y_ptr")), 16, kbs, 4))

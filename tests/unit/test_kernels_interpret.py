@@ -193,27 +193,6 @@ else:
         assert ((y - model).abs() <= tol).all(), ((y - model).abs() / tol).max()
         assert tol.max() < 0.1 * ref.abs().mean()
 
-    def test_moe_q8_h_rounded_in_the_gate_up_kernel(monkeypatch):
-        """h's int8 blocks made by the last gate+up program of each block (``MOE_Q8_QUANT_H``) equal those of the
-        separate ``quantize_activations`` launch: y bit-identical with and without, on 2 tokens x top-2 with a
-        dropped slot and inter = 256 (8 blocks of 32, each from 8 programs of 4 rows); a second call is bit-identical
-        too, and every block counter the call took is back to zero."""
-        gm = sys.modules["glm5serve.kernels.gguf_moe"]
-        rng = np.random.default_rng(111)
-        w13 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, 2 * 256, 256, rng) for _ in range(3)]))
-        w2 = torch.from_numpy(np.stack([random_qweight(Q.Q4_K, 256, 256, rng) for _ in range(3)]))
-        x = torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32)).to(torch.bfloat16)
-        args = (x, w13, w2, torch.tensor([[0.6, 0.3], [0.9, 0.2]]), torch.tensor([[2, 0], [-1, 2]]), Q.Q4_K, Q.Q4_K)
-        monkeypatch.setattr(gm, "MOE_Q8_QUANT_H", False)
-        y_launch = gguf_moe(*args, q8=True)
-        monkeypatch.setattr(gm, "MOE_Q8_QUANT_H", True)
-        _counters.clear()
-        y = gguf_moe(*args, q8=True)
-        pool, taken = _counters[torch.device("cpu")]
-        assert taken == 2 * 2 * 256 // 32 and not pool.any()
-        assert torch.equal(y, y_launch)
-        assert torch.equal(gguf_moe(*args, q8=True), y)
-
     def test_moe_q8_is_ignored_for_other_types():
         """q8=True with no Q4_K projection runs the fp32 decode: bit-identical to q8=False."""
         rng = np.random.default_rng(110)

@@ -11,12 +11,15 @@ GEMV launches, one program per (token, slot):
 Q4_K projections (GLM-5's routed experts) run with int8 activations for bf16/fp16 x on a GPU, as llama.cpp's
 MMVQ does (``gguf_gemv_q8``: x quantized once per token, h once per pair; ``q8`` below); then gate and up rows
 are interleaved in one K loop, the down kernel takes the token's slots side by side where w2 rows are short (TP
-slices: ``MOE_Q8_SLOTS_MAX_BLOCKS``), the gate+up kernel itself rounds h to int8 blocks for a Q4_K down projection
-(``MOE_Q8_QUANT_H``; three launches: x's quantizer, gate+up, down), and on Hopper every launch uses programmatic
-dependent launch (``gguf_gemv.pdl_value``).  H200, session 26, same run, us, this / the session-25
+slices: ``MOE_Q8_SLOTS_MAX_BLOCKS``), and on Hopper all four launches (two quantizers, two GEMVs) use
+programmatic dependent launch (``gguf_gemv.pdl_value``).  H200, session 26, same run, us, this / the session-25
 kernels (two gate+up loops, slot after slot, no PDL), 256 experts top-8, 1 / 4 / 16 tokens: TP=8 slices 16.5 /
 24.5, 45.5 / 51.1, 148.2 / 166.2; TP=4 25.9 / 35.2, 83.9 / 90.9, 290.3 / 309.4; whole experts 78.5 / 79.0,
 301.7 / 311.0, 1,118.6 / 1,149.0 (without PDL: TP=8 18.0, 47.4, 149.9; whole experts 80.1, 303.9, 1,120.3).
+Rounding h to int8 inside the gate+up kernel (the last program of each 32-value block quantizes it: three
+launches, not four) was slower at every batch size: H100, session 31, same run, us, in-kernel / own launch, 1 / 4 /
+16 / 64 tokens: TP=8 17.7 / 17.6, 46.9 / 45.1, 158.0 / 150.3, 579.0 / 559.1; whole experts 85.5 / 81.2, 326.6 /
+306.0, 1,198.4 / 1,127.9, 4,644.5 / 4,485.7; so h keeps its own quantizer launch.
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
 (from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 activations) that costs less than
@@ -49,7 +52,6 @@ from glm5serve.kernels.gguf_gemv import (
     _pow2_at_most,
     _reduce_acc,
     _rows_dot,
-    _tile_counters,
     _zero_acc,
     Q4_K,
     pdl_launch,
@@ -60,7 +62,6 @@ from glm5serve.kernels.gguf_gemv_q8 import (
     _dot_q4_k_q8,
     _kquant_words,
     _math_q4_k_q8,
-    _round_blocks,
     quantize_activations,
 )
 
@@ -121,32 +122,14 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E,
 
 
 @triton.jit
-def _quantize_block(v_ptr, q_ptr, d_ptr, s_ptr, blk):
-    """Round the 32 fp32 values v_ptr[32 blk:32 blk + 32] (read from L2: other programs wrote them) to int8 codes at
-    q_ptr[32 blk:], their scale d at d_ptr[blk] and their sum at s_ptr[blk], with the activation quantizer's
-    rounding (``gguf_gemv_q8._round_blocks``)."""
-    cols = blk * 32 + tl.arange(0, 32)[None, :]
-    v = tl.load(v_ptr + cols, cache_modifier=".cg")
-    q, d = _round_blocks(v)
-    tl.store(q_ptr + cols, q.to(tl.int8))
-    tl.store(d_ptr + blk + tl.arange(0, 1), d)
-    tl.store(s_ptr + blk + tl.arange(0, 1), tl.sum(v, axis=1))
-
-
-@triton.jit
-def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, hq_ptr, hd_ptr, hs_ptr, count_ptr, inter, nb,
-                           topk, E, stride_we, stride_wn, stride_hm, BLOCK_N: tl.constexpr, KBS: tl.constexpr,
-                           EMULATE: tl.constexpr, PDL: tl.constexpr = False, QUANT_H: tl.constexpr = False):
+def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, inter, nb, topk, E, stride_we, stride_wn,
+                           stride_hm, BLOCK_N: tl.constexpr, KBS: tl.constexpr, EMULATE: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """``_moe_gate_up_kernel`` for Q4_K ``w13`` (int32 words) with int8 activations (``quantize_activations`` of x,
     one row per token): the one-row step of ``gguf_gemv_q8`` over 2 BLOCK_N rows, gate row n and up row n
     interleaved, so that one K loop issues the loads of both (the session-25 kernel ran a gate loop, then an up
     loop; the module docstring has the two compared, with the other changes of session 26).  PDL: launched with
-    programmatic dependent launch, it waits (``gguf_gemv._gdc_wait``) for the kernel before it ahead of any load.
-    QUANT_H (BLOCK_N dividing 32): h is also rounded to int8 blocks of 32 here, as ``quantize_activations`` would in
-    a launch of its own: each program bumps its 32-value block's counter (count_ptr, one per (pair, block), zero on
-    entry) after storing its h values, and the last of the block's 32 / BLOCK_N programs reads the block back from L2,
-    writes its codes (hq_ptr, int8 (pairs, inter)), scale d and sum (hd_ptr, hs_ptr, fp32 (pairs, inter / 32)) and
-    zeroes the counter for the next call."""
+    programmatic dependent launch, it waits (``gguf_gemv._gdc_wait``) for the kernel before it ahead of any load."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     if PDL:
@@ -163,14 +146,6 @@ def _moe_gate_up_q8_kernel(xw_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, h_ptr, hq_ptr
     g, u = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
     out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pair.to(tl.int64) * stride_hm + out, g * tl.sigmoid(g) * u, mask=out < inter)
-    if QUANT_H:
-        blk = pid_n * BLOCK_N // 32
-        counter = count_ptr + pair.to(tl.int64) * (inter // 32) + blk
-        tl.debug_barrier()  # all threads' h stores precede the (single-thread) release
-        if tl.atomic_add(counter, 1, sem="acq_rel") == 32 // BLOCK_N - 1:
-            _quantize_block(h_ptr + pair.to(tl.int64) * stride_hm, hq_ptr + pair.to(tl.int64) * inter,
-                            hd_ptr + pair.to(tl.int64) * (inter // 32), hs_ptr + pair.to(tl.int64) * (inter // 32), blk)
-            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -366,9 +341,6 @@ MOE_Q8_KBS = 4
 #: 89.15 / 89.15; whole experts 1 token 48.12 / 48.12, 4 tokens 168.74 / 168.74.  (Session 8, two loops: at most 8
 #: rows, 79.4 / 296 / 1,146 us for whole experts against 94.1 / 338 / 1,281 with 16.)
 MOE_Q8_GATE_UP_MIN_PER_SM = 16
-#: round h to int8 blocks in the int8 gate+up kernel (``_moe_gate_up_q8_kernel``'s QUANT_H: the last program to
-#: finish a 32-value block quantizes it), not in a launch of its own between gate+up and down (three launches, not four).
-MOE_Q8_QUANT_H = True
 #: w2 rows of at most this many super-blocks (TP slices of the experts: 1 at TP=8, 2 at TP=4) take the down kernel
 #: with the token's slots side by side (``_moe_down_q8_slots_kernel``, 8 rows x 8 slots, one super-block per step,
 #: 4 warps), longer rows the slot loop.  H200, session 26: that kernel alone at TP=8 slices, best of 9 tiles (4/8/16
@@ -506,20 +478,13 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     h = torch.empty((T_ * k, inter), dtype=torch.float32, device=x.device)
     nb13 = H // BLOCK_SIZES[q13][0]
     pdl = bool(q8 and pdl_value(x.device, 0))
-    quant_h = q8 and q13 == Q4_K and q2 == Q4_K and MOE_Q8_QUANT_H  # h's int8 blocks from the gate+up kernel
     if q8 and q13 == Q4_K:
         xq, xd, xs = quantize_activations(x, pdl=pdl)
         bn, warps = _gate_up_tile(T_ * k, inter, sms)
-        if quant_h:
-            hq = torch.empty((T_ * k, inter), dtype=torch.int8, device=x.device)
-            hd, hs = (torch.empty((T_ * k, inter // 32), dtype=torch.float32, device=x.device) for _ in range(2))
-            counters = _tile_counters(x.device, T_ * k * (inter // 32))
-        else:
-            hq, hd, hs, counters = h, h, h, h  # not touched
         _moe_gate_up_q8_kernel[(T_ * k, triton.cdiv(inter, bn))](
-            xq.view(torch.int32), xd, xs, w13w, ids, h, hq, hd, hs, counters, inter, nb13, k, E, w13w.stride(0),
-            w13w.stride(1), h.stride(0), BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb13)), EMULATE=emulate,
-            PDL=pdl, QUANT_H=quant_h, num_warps=warps, **pdl_launch(pdl))
+            xq.view(torch.int32), xd, xs, w13w, ids, h, inter, nb13, k, E, w13w.stride(0), w13w.stride(1), h.stride(0),
+            BLOCK_N=bn, KBS=min(MOE_Q8_KBS, _pow2_at_most(nb13)), EMULATE=emulate, PDL=pdl, num_warps=warps,
+            **pdl_launch(pdl))
     else:
         kbs = _kbs(q13, nb13)
         G, T = tile_shape(q13, kbs)
@@ -532,8 +497,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     nb2 = inter // BLOCK_SIZES[q2][0]
     bn = _block_n(triton.cdiv(H, 16), T_, sms)
     if q8 and q2 == Q4_K:
-        if not quant_h:
-            hq, hd, hs = quantize_activations(h, pdl=pdl)
+        hq, hd, hs = quantize_activations(h, pdl=pdl)
         args = (hq.view(torch.int32), hd, hs, w2w, ids, wts, y, H, nb2, k, E, w2w.stride(0), w2w.stride(1), y.stride(0))
         tile = _slots_tile(k) if nb2 <= MOE_Q8_SLOTS_MAX_BLOCKS else None
         if tile is not None:
