@@ -193,6 +193,24 @@ else:
         assert ((y - model).abs() <= tol).all(), ((y - model).abs() / tol).max()
         assert tol.max() < 0.1 * ref.abs().mean()
 
+    @pytest.mark.parametrize("q8,slots_max", [(False, None), (True, None), (True, 0)],
+                             ids=["fp32-decode", "q8-slots-side-by-side", "q8-slot-loop"])
+    def test_moe_dropped_slot_weight_is_ignored(q8, slots_max, monkeypatch):
+        """A dropped slot (id -1: its expert on another rank; or >= E) contributes nothing whatever its routing
+        weight: inf or NaN there gives the output bit-identical to weight 0 on every per-pair down kernel (it used
+        to enter as wt * 0 = NaN)."""
+        if slots_max is not None:
+            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
+        x, w13, w2, ids, wts = _moe_case(Q.Q4_K, Q.Q4_K, _k(Q.Q4_K, 1), _k(Q.Q4_K, 1), 120)
+        ids[2, 0] = 3  # >= E: dropped too
+        outs = []
+        for bad in (0.0, float("inf"), float("nan")):
+            w = wts.clone()
+            w[1, 1] = w[2, 0] = bad
+            outs.append(gguf_moe(x, torch.from_numpy(w13), torch.from_numpy(w2), w, ids, Q.Q4_K, Q.Q4_K, q8=q8))
+        assert outs[0].isfinite().all() and outs[0].abs().amax() > 0
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
     def test_moe_q8_is_ignored_for_other_types():
         """q8=True with no Q4_K projection runs the fp32 decode: bit-identical to q8=False."""
         rng = np.random.default_rng(110)

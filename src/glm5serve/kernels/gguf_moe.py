@@ -111,7 +111,7 @@ def _moe_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, hidden, nb, topk, E,
     for s in range(topk):
         pair = tok * topk + s
         e = _expert(tl.load(ids_ptr + pair), E)
-        wt = tl.load(wts_ptr + pair).to(tl.float32)
+        wt = tl.where(e >= 0, tl.load(wts_ptr + pair).to(tl.float32), 0.0)  # a dropped slot's inf/NaN weight: 0
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
         # the routing weight scales this slot's activations: sum_s wt_s * (W_s @ h_s) in one accumulator
         acc = _rows_dot(acc, row_ptr, rmask & (e >= 0), 0, nb, nb, h_ptr + pair.to(tl.int64) * stride_hm,
@@ -164,7 +164,7 @@ def _moe_down_q8_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, 
     for s in range(topk):
         pair = (tok * topk + s).to(tl.int64)
         e = _expert(tl.load(ids_ptr + pair), E)
-        wt = tl.load(wts_ptr + pair).to(tl.float32)
+        wt = tl.where(e >= 0, tl.load(wts_ptr + pair).to(tl.float32), 0.0)
         row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + rows.to(tl.int64) * stride_wn
         y += wt * _dot_q4_k_q8(row_ptr, rmask & (e >= 0), 0, nb, nb, hw_ptr + pair * nb * 64,
                                hd_ptr + pair * nb * 8, hs_ptr + pair * nb * 8, BLOCK_N, KBS, 0, EMULATE, SHAPED=False)
@@ -189,8 +189,8 @@ def _moe_down_q8_slots_kernel(hw_ptr, hd_ptr, hs_ptr, w_ptr, ids_ptr, wts_ptr, y
     n = pid_n * BLOCK_N + r % BLOCK_N
     pair = tok * topk + slot
     e = _expert(tl.load(ids_ptr + pair, mask=slot < topk, other=-1), E)
-    wt = tl.load(wts_ptr + pair, mask=slot < topk, other=0.0).to(tl.float32)
     live = e >= 0
+    wt = tl.load(wts_ptr + pair, mask=live, other=0.0).to(tl.float32)  # padding and dropped slots: 0
     row_ptr = w_ptr + tl.maximum(e, 0) * stride_we + n.to(tl.int64) * stride_wn
     acc = tl.zeros([SLOTS * BLOCK_N, 4 * KBS], dtype=tl.float32)
     for b0 in range(0, nb, KBS):
