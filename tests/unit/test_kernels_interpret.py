@@ -305,6 +305,22 @@ else:
         assert (q.abs().amax(-1)[xd > 0] == 127).all() and xd[1, 1] == 0 and not xq[1, 32:64].any()
         assert torch.allclose(xs.double(), xb.sum(-1), rtol=1e-6, atol=1e-6)
 
+    def test_q8_activations_take_any_column_stride_and_reject_other_dtypes():
+        """quantize_activations of a transposed view or a column slice is bit-identical to that of the same values
+        made contiguous (the kernel reads rows side by side: such x is copied first); non-float or 1-D x raises."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+        rng = np.random.default_rng(71)
+        base = torch.from_numpy(rng.standard_normal((64, 6)).astype(np.float32)).to(torch.bfloat16)
+        wide = torch.from_numpy(rng.standard_normal((6, 128)).astype(np.float32)).to(torch.bfloat16)
+        for x in (base.T, wide[:, ::2]):  # column strides 6 and 2
+            assert x.stride(1) != 1
+            for a, b in zip(quantize_activations(x), quantize_activations(x.contiguous())):
+                assert torch.equal(a, b)
+        for bad in (base.T.to(torch.int32), base.T.double(), base[:, 0]):
+            with pytest.raises(ValueError, match="quantize_activations: expected x"):
+                quantize_activations(bad)
+
     @pytest.mark.parametrize("M,N,blocks,cfg", [(1, 19, 3, {}), (3, 16, 2, dict(block_n=4, kbs=1, split_k=2)),
                                                 (2, 33, 5, dict(block_n=8, kbs=2, split_k=2)),
                                                 (5, 17, 2, dict(block_m=4, kbs=1, split_k=2)),

@@ -101,7 +101,8 @@ def _int8_codes(x, amax):
 def _round_blocks(x):
     """x: fp32 [R, 32], R blocks of 32 values -> (codes int32 [R, 32], d fp32 [R]): d = max|x| / 127, or NaN where
     the block holds a NaN (max|x| skips it, its code is 0: the scale carries it, so that every product with the block
-    is NaN, as in the fp32 paths)."""
+    is NaN, as in the fp32 paths).  A block holding +-inf gets d = inf and codes 0, so its products are NaN where the
+    fp32 paths give +-inf: llama.cpp's ``quantize_row_q8_1`` does the same."""
     amax = tl.max(tl.abs(x), axis=1)
     nan = tl.max((x != x).to(tl.int32), axis=1)  # not the sum's NaN: finite +-3e38 can sum to inf - inf
     return _int8_codes(x, amax[:, None]), tl.where(nan > 0, float("nan"), amax / 127.0)
@@ -549,8 +550,16 @@ def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = Fals
     ``Q8_K`` blocks; K a multiple of 256), the sums still per 32.  ``sums16``: a fourth tensor, int32 (M, K/16), the
     sum of the codes of each 16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block).  ``pdl``:
     launched with programmatic dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in
-    ``_gdc_wait``."""
+    ``_gdc_wait``.  x's row stride is free; other column strides are copied to unit stride first.
+
+    Raises:
+        ValueError: x not 2-D or not bf16/fp16/fp32; scale_block not 32 or 256; K not a multiple of it.
+    """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantize_activations: expected x (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
+    if x.stride(1) != 1:  # the kernel reads each row's values side by side
+        x = x.contiguous()
     if scale_block not in (QK8, 8 * QK8):
         raise ValueError(f"quantize_activations: scale_block={scale_block!r} must be 32 or 256")
     if K % scale_block:
