@@ -618,7 +618,7 @@ else:
         x = torch.zeros(2, 512)
         with pytest.raises(ValueError, match="Q5_0/split has no split-row tensor-core kernel"):
             gguf_linear_split_mma(x, torch.zeros(4, 16 * 22, dtype=torch.uint8), split_type(Q.Q5_0), 4)
-        with pytest.raises(ValueError, match="Q4_0 has no split-row tensor-core kernel"):
+        with pytest.raises(ValueError, match="stype=2 is the plain GGML type Q4_0, not a split type id"):
             gguf_linear_split_mma(x, torch.zeros(4, 16 * 18, dtype=torch.uint8), Q.Q4_0, 4)
         q40 = torch.zeros(4, 16 * 18, dtype=torch.uint8)
         for kw, msg in ((dict(groups=1), "groups=1 must be"), (dict(block_m=4), "block_m=4 must be 8 or 16"),
@@ -743,6 +743,63 @@ else:
                 gguf_moe(args[0], w[None], w[None], args[2], args[1], Q.Q4_K, Q.Q4_K)
         with pytest.raises(ValueError, match="must be on one device"):
             gguf_moe(x, w[None], w[None], wts.to("meta"), ids, Q.Q4_K, Q.Q4_K)
+
+    def test_type_ids_and_configs_get_one_line_errors():
+        """A qtype that is not an integer (a name, None, a float, a bool) is refused by every entry point with a
+        ValueError naming the function and the argument; before, int() truncated 12.7 to Q4_K and ran, and
+        "Q4_K" / None gave int()'s own error.  Predicates answer False.  A config that is not a GemvConfig, a MoE
+        weight whose rows are not contiguous, expert_groups' num_experts / group_m / float ids get the same kind
+        of message (before: AttributeError, "does not hold" with the type as a number, raw torch errors)."""
+        from glm5serve.kernels.gguf_gemv import dequantize_rows
+        from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
+        from glm5serve.kernels.gguf_mma import gguf_linear_mma, gguf_linear_split_mma
+        from glm5serve.kernels.gguf_moe import expert_groups
+        from glm5serve.kernels.gguf_split import (base_type, can_split, dequantize_split_rows, gguf_linear_split,
+                                                  split_rows, split_type)
+
+        w, x = torch.zeros(4, 144, dtype=torch.uint8), torch.zeros(1, 256)
+        ids, wts = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+        calls = {"gguf_linear": lambda q: gguf_linear(x, w, q, 4),
+                 "dequantize_rows": lambda q: dequantize_rows(w, q, 256),
+                 "gguf_linear_q8": lambda q: gguf_linear_q8(x, w, q, 4),
+                 "gguf_linear_mma": lambda q: gguf_linear_mma(x, w, q, 4),
+                 "gguf_linear_split_mma: stype": lambda q: gguf_linear_split_mma(x, w, q, 4),
+                 "gguf_linear_split: stype": lambda q: gguf_linear_split(x, w, q, 4),
+                 "dequantize_rows: stype": lambda q: dequantize_split_rows(w, q, 256),
+                 "split_type": split_type, "base_type: stype": base_type,
+                 "split rows": lambda q: split_rows(w, q, 256),
+                 "gguf_moe: qtype_w13": lambda q: gguf_moe(x, w[None], w[None], wts, ids, q, Q.Q4_K),
+                 "gguf_moe: qtype_w2": lambda q: gguf_moe(x, w[None], w[None], wts, ids, Q.Q4_K, q)}
+        for bad in ("Q4_K", None, 12.7, float(Q.Q4_K), True):
+            for fn, call in calls.items():
+                name = fn if ":" in fn else f"{fn}: qtype"
+                with pytest.raises(ValueError, match=f"^{name}={bad!r} is not a GGML type id"):
+                    call(bad)
+            assert not supports(bad, 1, 4, 256) and not supports_moe(bad, Q.Q4_K, 1, 256, 256)
+            assert not can_split(bad, 256)
+        # GGMLQuantizationType, numpy and torch integers are type ids
+        y = gguf_linear(x, w, Q.Q4_K, 4)
+        for q in (np.int64(12), torch.tensor(12), 12):
+            assert torch.equal(gguf_linear(x, w, q, 4), y)
+        for config in ({"block_n": 16}, "auto"):
+            with pytest.raises(ValueError, match="gguf_linear: config must be a GemvConfig or None, got"):
+                gguf_linear(x, w, Q.Q4_K, 4, config)
+            with pytest.raises(ValueError, match="gguf_linear_split: config must be a GemvConfig or None, got"):
+                gguf_linear_split(x[:, :64], split_rows(torch.zeros(4, 68, dtype=torch.uint8), Q.Q8_0, 64),
+                                  split_type(Q.Q8_0), 4, config)
+        wide = torch.zeros(1, 4, 288, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=r"gguf_moe: w13 must have contiguous rows \(last stride 1\), got "
+                                             r"strides \(1152, 288, 2\)"):
+            gguf_moe(x, wide[..., ::2], w[None], wts, ids, Q.Q4_K, Q.Q4_K)
+        with pytest.raises(ValueError, match=r"gguf_moe: w2 \(1, 4, 144\) does not hold \(E=1, 256, K=2\) of "
+                                             r"Q4_K \(K a multiple of 256"):
+            gguf_moe(x, w[None], w[None], wts, ids, Q.Q4_K, Q.Q4_K)
+        for E, gm, msg in ((-1, 16, "num_experts=-1 must be an int >= 0"), (2.0, 16, "num_experts=2.0 must be"),
+                           (2, 0, "group_m=0 must be an int >= 1"), (2, None, "group_m=None must be")):
+            with pytest.raises(ValueError, match=f"^expert_groups: {msg}"):
+                expert_groups(ids, E, gm)
+        with pytest.raises(ValueError, match="expert_groups: topk_ids must be an integer tensor, got torch.float32"):
+            expert_groups(ids.float(), 2)
 
     @pytest.mark.parametrize("path", ["fp32", "q8-slots", "q8-slot-loop", "grouped"])
     def test_moe_ids_outside_the_experts_contribute_nothing(path, monkeypatch):

@@ -1015,7 +1015,10 @@ def supports(qtype: int, M: int, N: int, K: int) -> bool:
     """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= MAX_GEMM_M (decode batches up
     to 256 requests; longer prefills stay with the plugin's kernels), K whole blocks; for a split type
     (``gguf_split``) any M >= 1 and K of an even number of blocks."""
-    qtype = int(qtype)
+    try:
+        qtype = type_id(qtype, "supports")
+    except ValueError:
+        return False
     if qtype in SPLIT_QTYPES:  # only glm5serve reads split rows: every batch size
         return M >= 1 and N >= 1 and K > 0 and K % (2 * BLOCK_SIZES[qtype - SPLIT_BASE][0]) == 0
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
@@ -1031,6 +1034,25 @@ def _index(v, name: str, fn: str) -> int:
     if isinstance(v, bool) or i < 0:
         raise ValueError(f"{fn}: {name}={v!r} must be an int >= 0")
     return i
+
+
+def type_id(v, fn: str, name: str = "qtype") -> int:
+    """``v`` as a GGML or split type id: an integer (``gguf.GGMLQuantizationType``, numpy and torch integers too),
+    bool excluded.  Raises ValueError naming ``fn`` for anything else (``int()`` would read 12.7 as Q4_K and fail
+    on "Q4_K" or None with a message that names neither the function nor the argument)."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        i = None
+    if i is None or isinstance(v, bool):
+        raise ValueError(f"{fn}: {name}={v!r} is not a GGML type id (an int, e.g. gguf.GGMLQuantizationType.Q4_K)")
+    return i
+
+
+def _check_config(config, fn: str) -> None:
+    """Raise ValueError unless ``config`` is None or a ``GemvConfig``."""
+    if config is not None and not isinstance(config, GemvConfig):
+        raise ValueError(f"{fn}: config must be a GemvConfig or None, got {type(config).__name__}")
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str = "gguf kernels") -> int:
@@ -1092,7 +1114,7 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
     Raises:
         ValueError: unsupported type or inconsistent shapes.
     """
-    qtype = int(qtype)
+    qtype = type_id(qtype, "dequantize_rows")
     if qtype in SPLIT_QTYPES:
         from glm5serve.kernels.gguf_split import dequantize_split_rows
 
@@ -1155,10 +1177,12 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int,
         ``mma`` path of Q4_K / Q5_K / Q6_K split rows to int8 blocks of 256 (llama.cpp's ``Q8_K``, error bound in
         ``gguf_mma``), of Q8_0 / Q4_0 split rows to blocks of 32.
     Raises:
-        ValueError: unsupported type or inconsistent shapes.
+        ValueError: unsupported type (or a qtype that is not an integer), inconsistent shapes, a config that is not
+            a ``GemvConfig``.
     Capture-safe under CUDA graphs: no host synchronisation; buffers come from torch's caching allocator.
     """
-    qtype = int(qtype)
+    qtype = type_id(qtype, "gguf_linear")
+    _check_config(config, "gguf_linear")
     if qtype in SPLIT_QTYPES:
         from glm5serve.kernels.gguf_split import gguf_linear_split
 

@@ -81,6 +81,7 @@ from glm5serve.kernels.gguf_gemv import (
     _write_tile,
     pdl_launch,
     pdl_value,
+    type_id,
 )
 
 QK8 = 32  # activations per int8 block (llama.cpp QK8_1)
@@ -601,7 +602,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
             blocks per row or an odd kbs.
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
-    qtype = int(qtype)
+    qtype = type_id(qtype, "gguf_linear_q8")
     if qtype not in Q8_KERNEL_TYPES:
         raise ValueError(f"gguf_linear_q8: {_NAMES.get(qtype, f'type {qtype}')} has no int8-activation kernel "
                          f"(supported: {', '.join(_NAMES[q] for q in sorted(Q8_KERNEL_TYPES))})")

@@ -54,6 +54,7 @@ from glm5serve.kernels.gguf_gemv import (
     _write_tile,
     pdl_launch,
     pdl_value,
+    type_id,
 )
 
 MMA_TYPES = frozenset({Q4_K, Q5_K})
@@ -253,7 +254,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     """
     from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
 
-    qtype = int(qtype)
+    qtype = type_id(qtype, "gguf_linear_mma")
     if qtype not in MMA_TYPES:
         raise ValueError(f"gguf_linear_mma: {_NAMES.get(qtype, f'type {qtype}')} has no tensor-core int8 kernel "
                          f"(supported: Q4_K, Q5_K)")
@@ -446,11 +447,15 @@ def gguf_linear_split_mma(x: torch.Tensor, qweight: torch.Tensor, stype: int, N:
     from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
     from glm5serve.kernels.gguf_split import _check_split, base_type
 
+    stype = type_id(stype, "gguf_linear_split_mma", "stype")
     qtype = base_type(stype)
-    if qtype not in SPLIT_MMA_TYPES or int(stype) == qtype:
-        raise ValueError(f"gguf_linear_split_mma: {_NAMES.get(qtype, f'type {stype}')}"
-                         f"{'/split' if int(stype) != qtype else ''} has no split-row tensor-core kernel "
-                         f"(supported: Q8_0, Q4_0 and Q6_K split rows)")
+    if stype == qtype:  # a plain GGML id: the caller has GGUF rows, or forgot split_type()
+        raise ValueError(f"gguf_linear_split_mma: stype={stype} is the plain GGML type "
+                         f"{_NAMES.get(qtype, qtype)}, not a split type id (convert with gguf_split.split_rows and "
+                         f"pass gguf_split.split_type(qtype))")
+    if qtype not in SPLIT_MMA_TYPES:
+        raise ValueError(f"gguf_linear_split_mma: {_NAMES.get(qtype, f'type {qtype}')}/split has no split-row "
+                         f"tensor-core kernel (supported: Q8_0, Q4_0 and Q6_K split rows)")
     _check_split(qweight, stype, None, N, x, "gguf_linear_split_mma")
     (M, K), N = x.shape, int(N)
     block_m = _tile_args("gguf_linear_split_mma", M, block_m, block_n, split_k)

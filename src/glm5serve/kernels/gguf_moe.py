@@ -45,8 +45,10 @@ from glm5serve.kernels.gguf_gemv import (
     MAX_FAST_M,
     MAX_GEMM_M,
     SUPPORTED_QTYPES,
+    _NAMES,
     _as_words,
     _device_sms,
+    _index,
     _gdc_wait,
     _pow2_at_least,
     _pow2_at_most,
@@ -57,6 +59,7 @@ from glm5serve.kernels.gguf_gemv import (
     pdl_launch,
     pdl_value,
     tile_shape,
+    type_id,
 )
 from glm5serve.kernels.gguf_gemv_q8 import (
     _dot_q4_k_q8,
@@ -285,7 +288,15 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
         cdiv(T k, group_m) + min(E, T k) is the most groups any routing can need, so shapes depend on T only
         (capture-safe: no host synchronisation).  Within an expert, pairs keep ascending order.
     Same layout as vLLM's ``moe_align_block_size`` (``fused_moe/moe_align_block_size.py``).
+    Raises:
+        ValueError: topk_ids not an integer tensor, num_experts not an int >= 0, group_m not an int >= 1.
     """
+    num_experts = _index(num_experts, "num_experts", "expert_groups")
+    if _index(group_m, "group_m", "expert_groups") < 1:
+        raise ValueError(f"expert_groups: group_m={group_m!r} must be an int >= 1")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise ValueError(f"expert_groups: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    group_m = int(group_m)
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
@@ -310,7 +321,10 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
 def supports_moe(qtype_w13: int, qtype_w2: int, num_tokens: int, hidden: int, inter: int) -> bool:
     """True where ``gguf_moe`` is meant to be used: supported types, 1..MAX_GEMM_M tokens (per-pair kernels up to
     16 or 128 tokens, ``per_pair``; grouped by expert beyond), whole quant blocks."""
-    q13, q2 = int(qtype_w13), int(qtype_w2)
+    try:
+        q13, q2 = type_id(qtype_w13, "supports_moe"), type_id(qtype_w2, "supports_moe")
+    except ValueError:
+        return False
     return (q13 in SUPPORTED_QTYPES and q2 in SUPPORTED_QTYPES and 1 <= num_tokens <= MAX_GEMM_M
             and hidden % BLOCK_SIZES[q13][0] == 0 and inter % BLOCK_SIZES[q2][0] == 0)
 
@@ -431,7 +445,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
             not a signed integer type, topk_weights not floating) or devices; fp32 x on the grouped path.
     Capture-safe under CUDA graphs (no host synchronisation, allocations through torch).
     """
-    q13, q2 = int(qtype_w13), int(qtype_w2)
+    q13, q2 = type_id(qtype_w13, "gguf_moe", "qtype_w13"), type_id(qtype_w2, "gguf_moe", "qtype_w2")
     if activation != "silu":
         raise ValueError(f"gguf_moe: activation {activation!r} is not supported (only 'silu')")
     for q in (q13, q2):
@@ -456,9 +470,12 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
                          f"{sorted(map(str, devices))}")
     for name, w, q, K, N in (("w13", w13, q13, H, two_i), ("w2", w2, q2, inter, H)):
         qk, qb = BLOCK_SIZES[q]
-        if two_i % 2 or K % qk or K // qk * qb > w.shape[2] or w.shape[1] != N or w.shape[0] != E \
-                or w.stride(2) != 1:
-            raise ValueError(f"gguf_moe: {name} {tuple(w.shape)} does not hold (E={E}, {N}, K={K}) of type {q}")
+        if two_i % 2 or K % qk or K // qk * qb > w.shape[2] or w.shape[1] != N or w.shape[0] != E:
+            raise ValueError(f"gguf_moe: {name} {tuple(w.shape)} does not hold (E={E}, {N}, K={K}) of "
+                             f"{_NAMES[q]} (K a multiple of {qk}, {K // qk * qb} bytes per row)")
+        if w.stride(2) != 1:
+            raise ValueError(f"gguf_moe: {name} must have contiguous rows (last stride 1), got strides "
+                             f"{w.stride()}")
     k = topk_ids.shape[1]
     if T_ == 0:
         return x.new_empty((0, H))

@@ -53,6 +53,7 @@ from glm5serve.kernels.gguf_gemv import (
     _NAMES,
     GemvConfig,
     _as_words,
+    _check_config,
     _check_out,
     _index,
     _gdc_wait,
@@ -63,6 +64,7 @@ from glm5serve.kernels.gguf_gemv import (
     _write_tile,
     pdl_launch,
     pdl_value,
+    type_id,
 )
 from glm5serve.kernels.gguf_gemv_q8 import _dp4a, _split8, quantize_activations
 from glm5serve.kernels.gguf_mma import SPLIT_MMA_TYPES, gguf_linear_split_mma
@@ -80,26 +82,31 @@ _SIGN_BITS = tl.constexpr(0x80808080 - (1 << 32))
 
 def split_type(qtype: int) -> int:
     """The split-row type id of GGML type ``qtype`` (Q4_0, Q5_0, Q8_0 or Q6_K)."""
-    if int(qtype) not in SPLITTABLE:
-        raise ValueError(f"split rows: no split layout for {_NAMES.get(int(qtype), f'GGML type {qtype}')}")
-    return SPLIT_BASE + int(qtype)
+    qtype = type_id(qtype, "split_type")
+    if qtype not in SPLITTABLE:
+        raise ValueError(f"split rows: no split layout for {_NAMES.get(qtype, f'GGML type {qtype}')}")
+    return SPLIT_BASE + qtype
 
 
 def base_type(stype: int) -> int:
     """The GGML type id of split type ``stype`` (``stype`` itself when it is not a split type)."""
-    return int(stype) - SPLIT_BASE if int(stype) in SPLIT_QTYPES else int(stype)
+    stype = type_id(stype, "base_type", "stype")
+    return stype - SPLIT_BASE if stype in SPLIT_QTYPES else stype
 
 
 def type_name(qtype: int) -> str:
     """``Q8_0`` for a GGML id, ``Q8_0/split`` for its split id."""
     q = base_type(qtype)
-    return _NAMES.get(q, f"GGML type {q}") + ("/split" if int(qtype) in SPLIT_QTYPES else "")
+    return _NAMES.get(q, f"GGML type {q}") + ("/split" if q != qtype else "")
 
 
 def can_split(qtype: int, K: int) -> bool:
     """Whether rows of K elements of ``qtype`` have a split layout: a splittable type and an even number of
     blocks (the codes are read as int32 words; rows of 34 nb or 210 nb bytes are whole words only for even nb)."""
-    qtype = int(qtype)
+    try:
+        qtype = type_id(qtype, "can_split")
+    except ValueError:
+        return False
     return (qtype in SPLITTABLE and isinstance(K, numbers.Integral) and K > 0
             and K % (2 * BLOCK_SIZES[qtype][0]) == 0)
 
@@ -156,7 +163,7 @@ def _q6_k_join(rows: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch.Tensor:
-    qtype = int(qtype)
+    qtype = type_id(qtype, "split rows")
     if qtype not in SPLITTABLE:
         raise ValueError(f"split rows: no split layout for {type_name(qtype)}")
     if not can_split(qtype, K):
@@ -606,7 +613,7 @@ def _check_split(qweight: torch.Tensor, stype: int, K: int | None, N: int, x: to
         if x.device != qweight.device:
             raise ValueError(f"{fn}: x is on {x.device}, qweight on {qweight.device}")
         K = x.shape[1] if K is None else K
-    if int(stype) not in SPLIT_QTYPES:
+    if type_id(stype, fn, "stype") not in SPLIT_QTYPES:
         raise ValueError(f"{fn}: type id {stype} is not a split type ({sorted(SPLIT_QTYPES)})")
     N = _index(N, "N", fn)
     qtype = base_type(stype)
@@ -768,7 +775,7 @@ SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 def served_split(qtype: int, K: int) -> bool:
     """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K unless
     ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above)."""
-    return can_split(qtype, K) and (int(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0")
+    return can_split(qtype, K) and (qtype != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0")
 
 
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:
@@ -776,7 +783,7 @@ def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, 
     ``qtype``) unchanged (``kernels.vllm_ops.split_linear_weights`` does the same in place)."""
     if served_split(qtype, K):
         return split_rows(qweight, qtype, K), split_type(qtype)
-    return qweight, int(qtype)
+    return qweight, type_id(qtype, "as_served")
 
 
 def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int,
@@ -805,6 +812,7 @@ def gguf_linear_split(x: torch.Tensor, qweight: torch.Tensor, stype: int, N: int
     Capture-safe under CUDA graphs (two launches, no host synchronisation).
     """
     qtype = _check_split(qweight, stype, None, N, x, "gguf_linear_split")
+    _check_config(config, "gguf_linear_split")
     (M, K), N = x.shape, int(N)
     if M == 0 or N == 0:
         return x.new_zeros((M, N))
