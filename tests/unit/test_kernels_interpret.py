@@ -748,8 +748,9 @@ else:
         """A qtype that is not an integer (a name, None, a float, a bool) is refused by every entry point with a
         ValueError naming the function and the argument; before, int() truncated 12.7 to Q4_K and ran, and
         "Q4_K" / None gave int()'s own error.  Predicates answer False.  A config that is not a GemvConfig, a MoE
-        weight whose rows are not contiguous, expert_groups' num_experts / group_m / float ids get the same kind
-        of message (before: AttributeError, "does not hold" with the type as a number, raw torch errors)."""
+        weight whose rows are not contiguous, expert_groups' num_experts / group_m / non-integer ids, the tensor-core
+        paths' launch arguments that are not Python ints get the same kind of message (before: AttributeError,
+        "does not hold" with the type as a number, raw torch errors, errors from inside the Triton launch)."""
         from glm5serve.kernels.gguf_gemv import dequantize_rows
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
         from glm5serve.kernels.gguf_mma import gguf_linear_mma, gguf_linear_split_mma
@@ -798,8 +799,39 @@ else:
                            (2, 0, "group_m=0 must be an int >= 1"), (2, None, "group_m=None must be")):
             with pytest.raises(ValueError, match=f"^expert_groups: {msg}"):
                 expert_groups(ids, E, gm)
-        with pytest.raises(ValueError, match="expert_groups: topk_ids must be an integer tensor, got torch.float32"):
-            expert_groups(ids.float(), 2)
+        for E, gm, msg in ((2, -1, "group_m=-1 must be an int >= 1"), (2, 4.0, "group_m=4.0 must be an int >= 1")):
+            with pytest.raises(ValueError, match=f"^expert_groups: {msg}"):
+                expert_groups(ids, E, gm)
+        two = torch.tensor([[1, 0], [1, 1]], dtype=torch.int32)
+        for gm in (np.int64(4), torch.tensor(4)):  # integers of any kind, as num_experts
+            assert all(map(torch.equal, expert_groups(two, 2, gm), expert_groups(two, np.int32(2), 4)))
+        for bad, got in ((ids.float(), "torch.float32"), ([[0, 1]], "list")):
+            with pytest.raises(ValueError, match=f"expert_groups: topk_ids must be an integer tensor, got {got}"):
+                expert_groups(bad, 2)
+        with pytest.raises(ValueError, match=r"^gguf_moe: qtype_w2=99 is not a supported GGML type \(supported: "):
+            gguf_moe(x, w[None], w[None], wts, ids, Q.Q4_K, 99)
+        # the int8 tensor-core entry points: launch arguments are Python ints (Triton takes no numpy ints or
+        # floats: they failed inside the launch), and a type id that is neither plain nor split is said as such
+        s8 = split_rows(torch.zeros(4, 272, dtype=torch.uint8), Q.Q8_0, 256)
+        for kw, msg in ((dict(block_m=np.int64(8)), "block_m=np.int64.8. must be 8 or 16"),
+                        (dict(num_warps=3), "num_warps=3 must be a power of two up to 32"),
+                        (dict(num_stages=0), "num_stages=0 must be an int >= 1"),
+                        (dict(block_m=8.0), "block_m=8.0 must be 8 or 16")):
+            for fn, call in (("gguf_linear_mma", lambda: gguf_linear_mma(x, w, Q.Q4_K, 4, **kw)),
+                             ("gguf_linear_split_mma", lambda: gguf_linear_split_mma(x, s8, split_type(Q.Q8_0), 4,
+                                                                                     **kw))):
+                with pytest.raises(ValueError, match=f"^{fn}: {msg}"):
+                    call()
+        with pytest.raises(ValueError, match=r"^gguf_linear_mma: kbs=np.int64\(2\) must be 1 or 2"):
+            gguf_linear_mma(x, w, Q.Q4_K, 4, kbs=np.int64(2))
+        with pytest.raises(ValueError, match=r"^gguf_linear_split_mma: groups=np.int64\(8\) must be"):
+            gguf_linear_split_mma(x, s8, split_type(Q.Q8_0), 4, groups=np.int64(8))
+        for stype, name in ((268, "type id 268"), (-1, "type id -1"), (Q.Q4_K, "Q4_K"), (Q.Q5_0, "Q5_0"),
+                            (split_type(Q.Q5_0), "Q5_0/split")):
+            with pytest.raises(ValueError, match=f"^gguf_linear_split_mma: {name} has no split-row tensor-core"):
+                gguf_linear_split_mma(x, s8, stype, 4)
+        with pytest.raises(ValueError, match=r"^gguf_linear_q8: block_m=np.int64\(8\) must be an int"):
+            gguf_linear_q8(x, w, Q.Q4_K, 4, block_m=np.int64(8))
 
     @pytest.mark.parametrize("path", ["fp32", "q8-slots", "q8-slot-loop", "grouped"])
     def test_moe_ids_outside_the_experts_contribute_nothing(path, monkeypatch):

@@ -616,7 +616,7 @@ def gguf_linear_q8(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, b
     if block_m is None:
         block_m = min(MAX_BLOCK_M, _pow2_at_least(M))
     if type(block_m) is not int or block_m & (block_m - 1) or not 1 <= block_m <= MAX_BLOCK_M:
-        raise ValueError(f"gguf_linear_q8: block_m={block_m} is not a power of two up to {MAX_BLOCK_M}")
+        raise ValueError(f"gguf_linear_q8: block_m={block_m!r} must be an int, a power of two up to {MAX_BLOCK_M}")
     if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
     if x.stride(1) != 1:

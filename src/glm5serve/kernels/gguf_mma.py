@@ -215,11 +215,17 @@ def _gemm_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w8_ptr, w32_ptr, y_ptr, part_ptr, c
                 BLOCK_M, SPLIT_K)
 
 
-def _tile_args(fn: str, M: int, block_m: int | None, block_n: int, split_k: int) -> int:
-    """Check the tile arguments of ``fn``; returns block_m (None: 8 for M <= 8, else 16).  Raises ValueError."""
-    block_m = block_m or (8 if M <= 8 else 16)
-    if block_m not in (8, 16):
+def _tile_args(fn: str, M: int, block_m: int | None, block_n: int, split_k: int, num_warps: int,
+               num_stages: int) -> int:
+    """Check the launch arguments of ``fn`` (Python ints: Triton's launcher takes no numpy ints or floats); returns
+    block_m (None: 8 for M <= 8, else 16).  Raises ValueError."""
+    block_m = 8 if block_m is None and M <= 8 else 16 if block_m is None else block_m
+    if type(block_m) is not int or block_m not in (8, 16):
         raise ValueError(f"{fn}: block_m={block_m!r} must be 8 or 16")
+    if type(num_warps) is not int or num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{fn}: num_warps={num_warps!r} must be a power of two up to 32")
+    if type(num_stages) is not int or num_stages < 1:
+        raise ValueError(f"{fn}: num_stages={num_stages!r} must be an int >= 1")
     if type(block_n) is not int or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{fn}: block_n={block_n!r} must be a power of two >= 16")
     if type(split_k) is not int or split_k < 1:
@@ -262,8 +268,8 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
         raise ValueError(f"gguf_linear_mma: qweight must be (rows, bytes), got shape {tuple(qweight.shape)}")
     K, N = _check(x, qweight, qtype, N, "gguf_linear_mma"), int(N)
     M = x.shape[0]
-    block_m = _tile_args("gguf_linear_mma", M, block_m, block_n, split_k)
-    if kbs not in (1, 2):
+    block_m = _tile_args("gguf_linear_mma", M, block_m, block_n, split_k, num_warps, num_stages)
+    if type(kbs) is not int or kbs not in (1, 2):
         raise ValueError(f"gguf_linear_mma: kbs={kbs!r} must be 1 or 2")
     if M == 0 or N == 0 or K == 0:
         return x.new_zeros((M, N))
@@ -449,17 +455,17 @@ def gguf_linear_split_mma(x: torch.Tensor, qweight: torch.Tensor, stype: int, N:
 
     stype = type_id(stype, "gguf_linear_split_mma", "stype")
     qtype = base_type(stype)
-    if stype == qtype:  # a plain GGML id: the caller has GGUF rows, or forgot split_type()
-        raise ValueError(f"gguf_linear_split_mma: stype={stype} is the plain GGML type "
-                         f"{_NAMES.get(qtype, qtype)}, not a split type id (convert with gguf_split.split_rows and "
-                         f"pass gguf_split.split_type(qtype))")
-    if qtype not in SPLIT_MMA_TYPES:
-        raise ValueError(f"gguf_linear_split_mma: {_NAMES.get(qtype, f'type {qtype}')}/split has no split-row "
-                         f"tensor-core kernel (supported: Q8_0, Q4_0 and Q6_K split rows)")
+    if stype == qtype and qtype in SPLIT_MMA_TYPES:  # GGUF rows, or a forgotten split_type()
+        raise ValueError(f"gguf_linear_split_mma: stype={stype} is the plain GGML type {_NAMES[qtype]}, not a "
+                         f"split type id (convert with gguf_split.split_rows and pass gguf_split.split_type)")
+    if stype == qtype or qtype not in SPLIT_MMA_TYPES:
+        name = _NAMES.get(qtype, f"type id {stype}") + ("/split" if stype != qtype else "")
+        raise ValueError(f"gguf_linear_split_mma: {name} has no split-row tensor-core kernel (supported: Q8_0, "
+                         f"Q4_0 and Q6_K split rows)")
     _check_split(qweight, stype, None, N, x, "gguf_linear_split_mma")
     (M, K), N = x.shape, int(N)
-    block_m = _tile_args("gguf_linear_split_mma", M, block_m, block_n, split_k)
-    if groups not in ((1, 2, 4, 8) if qtype == Q8_0 else (2, 4, 8) if qtype == Q4_0 else (8,)):
+    block_m = _tile_args("gguf_linear_split_mma", M, block_m, block_n, split_k, num_warps, num_stages)
+    if type(groups) is not int or groups not in ((1, 2, 4, 8) if qtype == Q8_0 else (2, 4, 8) if qtype == Q4_0 else (8,)):
         raise ValueError(f"gguf_linear_split_mma: groups={groups!r} must be 1, 2, 4 or 8 (Q4_0: 2, 4 or 8; Q6_K: 8)")
     if M == 0 or N == 0:
         return x.new_zeros((M, N))

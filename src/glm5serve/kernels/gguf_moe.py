@@ -35,6 +35,8 @@ Dequantization and the decode order are those of ``gguf_gemv``.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -292,11 +294,17 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
         ValueError: topk_ids not an integer tensor, num_experts not an int >= 0, group_m not an int >= 1.
     """
     num_experts = _index(num_experts, "num_experts", "expert_groups")
-    if _index(group_m, "group_m", "expert_groups") < 1:
+    try:
+        gm = operator.index(group_m)  # numpy and torch integers too, as num_experts
+    except TypeError:
+        gm = 0
+    if isinstance(group_m, bool) or gm < 1:
         raise ValueError(f"expert_groups: group_m={group_m!r} must be an int >= 1")
-    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
-        raise ValueError(f"expert_groups: topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    group_m = int(group_m)
+    group_m = gm
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point() or topk_ids.is_complex() \
+            or topk_ids.dtype == torch.bool:
+        raise ValueError(f"expert_groups: topk_ids must be an integer tensor, got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
@@ -448,9 +456,10 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     q13, q2 = type_id(qtype_w13, "gguf_moe", "qtype_w13"), type_id(qtype_w2, "gguf_moe", "qtype_w2")
     if activation != "silu":
         raise ValueError(f"gguf_moe: activation {activation!r} is not supported (only 'silu')")
-    for q in (q13, q2):
+    for name, q in (("qtype_w13", q13), ("qtype_w2", q2)):
         if q not in SUPPORTED_QTYPES:
-            raise ValueError(f"gguf_moe: unsupported GGML type {q}")
+            raise ValueError(f"gguf_moe: {name}={q} is not a supported GGML type (supported: "
+                             f"{', '.join(_NAMES[t] for t in sorted(SUPPORTED_QTYPES))})")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
         raise ValueError(f"gguf_moe: expected x (T, H) and uint8 w13/w2 (E, N, row_bytes), got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)} {w13.dtype}, {tuple(w2.shape)} {w2.dtype}")
