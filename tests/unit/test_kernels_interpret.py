@@ -832,6 +832,30 @@ else:
                 gguf_linear_split_mma(x, s8, stype, 4)
         with pytest.raises(ValueError, match=r"^gguf_linear_q8: block_m=np.int64\(8\) must be an int"):
             gguf_linear_q8(x, w, Q.Q4_K, 4, block_m=np.int64(8))
+        # sizes that are not integers: the predicates answer False (were a raw TypeError, or True for a float K)
+        for args in (("1", 4, 256), (1, 4, None), (1, 4.0, 256)):
+            assert not supports(Q.Q4_K, *args) and not supports(split_type(Q.Q8_0), *args)
+        assert not supports(split_type(Q.Q8_0), 1, 4, 256.0) and not supports_moe(Q.Q4_K, Q.Q4_K, 1, 256, None)
+        assert supports(Q.Q4_K, np.int64(1), torch.tensor(4), 256) and supports_moe(Q.Q4_K, 12, 1, 256, np.int32(256))
+        # arguments that are not tensors (were AttributeError: 'list' object has no attribute 'dim')
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+
+        wn, xl = w.numpy(), x.tolist()
+        for fn, name, got, call in (
+                ("gguf_linear", "x", "list", lambda: gguf_linear(xl, w, Q.Q4_K, 4)),
+                ("gguf_linear", "qweight", "ndarray", lambda: gguf_linear(x, wn, Q.Q4_K, 4)),
+                ("gguf_linear_split", "qweight", "ndarray", lambda: gguf_linear(x, s8.numpy(), split_type(Q.Q8_0), 4)),
+                ("gguf_linear_q8", "x", "list", lambda: gguf_linear_q8(xl, w, Q.Q4_K, 4)),
+                ("gguf_linear_mma", "qweight", "ndarray", lambda: gguf_linear_mma(x, wn, Q.Q4_K, 4)),
+                ("gguf_linear_split_mma", "x", "list", lambda: gguf_linear_split_mma(xl, s8, split_type(Q.Q8_0), 4)),
+                ("dequantize_rows", "qweight", "ndarray", lambda: dequantize_rows(wn, Q.Q4_K, 256)),
+                ("dequantize_rows", "qweight", "ndarray", lambda: dequantize_rows(s8.numpy(), split_type(Q.Q8_0), 256)),
+                ("split rows", "qweight", "ndarray", lambda: split_rows(s8.numpy(), Q.Q8_0, 256)),
+                ("quantize_activations", "x", "list", lambda: quantize_activations(xl)),
+                ("gguf_moe", "topk_ids", "list", lambda: gguf_moe(x, w[None], w[None], wts, [[0]], Q.Q4_K, Q.Q4_K)),
+                ("gguf_moe", "w13", "ndarray", lambda: gguf_moe(x, wn[None], w[None], wts, ids, Q.Q4_K, Q.Q4_K))):
+            with pytest.raises(ValueError, match=f"^{fn}: {name} must be a torch.Tensor, got {got}$"):
+                call()
 
     @pytest.mark.parametrize("path", ["fp32", "q8-slots", "q8-slot-loop", "grouped"])
     def test_moe_ids_outside_the_experts_contribute_nothing(path, monkeypatch):

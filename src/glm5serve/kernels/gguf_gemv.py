@@ -1015,10 +1015,10 @@ def supports(qtype: int, M: int, N: int, K: int) -> bool:
     """True where ``gguf_linear`` is meant to be used: a supported type, 1 <= M <= MAX_GEMM_M (decode batches up
     to 256 requests; longer prefills stay with the plugin's kernels), K whole blocks; for a split type
     (``gguf_split``) any M >= 1 and K of an even number of blocks."""
-    try:
-        qtype = type_id(qtype, "supports")
-    except ValueError:
+    ints = _ints(qtype, M, N, K)
+    if ints is None:
         return False
+    qtype, M, N, K = ints
     if qtype in SPLIT_QTYPES:  # only glm5serve reads split rows: every batch size
         return M >= 1 and N >= 1 and K > 0 and K % (2 * BLOCK_SIZES[qtype - SPLIT_BASE][0]) == 0
     return qtype in SUPPORTED_QTYPES and 1 <= M <= MAX_GEMM_M and N >= 1 and K > 0 and K % BLOCK_SIZES[qtype][0] == 0
@@ -1034,6 +1034,23 @@ def _index(v, name: str, fn: str) -> int:
     if isinstance(v, bool) or i < 0:
         raise ValueError(f"{fn}: {name}={v!r} must be an int >= 0")
     return i
+
+
+def _ints(*vals) -> tuple[int, ...] | None:
+    """``vals`` as Python ints (``operator.index``: numpy and torch integers too), or None where one is not an
+    integer or is a bool: the predicates (``supports``, ``supports_moe``) answer False for those."""
+    try:
+        out = tuple(operator.index(v) for v in vals)
+    except TypeError:
+        return None
+    return None if any(isinstance(v, bool) for v in vals) else out
+
+
+def _check_tensors(fn: str, **tensors) -> None:
+    """Raise ValueError naming ``fn`` and the argument unless each value is a torch.Tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def type_id(v, fn: str, name: str = "qtype") -> int:
@@ -1060,6 +1077,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str =
     device, N an integer >= 0: callers pass int(N) on); returns K.  Raises ValueError naming what does not fit."""
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"{fn}: unsupported GGML type {qtype} (supported: {sorted(_NAMES.values())})")
+    _check_tensors(fn, x=x, qweight=qweight)
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{fn}: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(-1) != 1:
@@ -1115,6 +1133,7 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, K: int, N: int | None = N
         ValueError: unsupported type or inconsistent shapes.
     """
     qtype = type_id(qtype, "dequantize_rows")
+    _check_tensors("dequantize_rows", qweight=qweight)
     if qtype in SPLIT_QTYPES:
         from glm5serve.kernels.gguf_split import dequantize_split_rows
 

@@ -69,6 +69,7 @@ from glm5serve.kernels.gguf_gemv import (
     GemvConfig,
     _as_words,
     _check,
+    _check_tensors,
     _f16_hi,
     _f16_lo,
     _gdc_launch_dependents,
@@ -556,6 +557,7 @@ def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = Fals
     Raises:
         ValueError: x not 2-D or not bf16/fp16/fp32; scale_block not 32 or 256; K not a multiple of it.
     """
+    _check_tensors("quantize_activations", x=x)
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantize_activations: expected x (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape

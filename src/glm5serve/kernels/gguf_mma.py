@@ -46,6 +46,7 @@ from glm5serve.kernels.gguf_gemv import (
     _NAMES,
     _as_words,
     _check,
+    _check_tensors,
     _f16_hi,
     _f16_lo,
     _gdc_wait,
@@ -264,6 +265,7 @@ def gguf_linear_mma(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, 
     if qtype not in MMA_TYPES:
         raise ValueError(f"gguf_linear_mma: {_NAMES.get(qtype, f'type {qtype}')} has no tensor-core int8 kernel "
                          f"(supported: Q4_K, Q5_K)")
+    _check_tensors("gguf_linear_mma", x=x, qweight=qweight)
     if qweight.dim() != 2:
         raise ValueError(f"gguf_linear_mma: qweight must be (rows, bytes), got shape {tuple(qweight.shape)}")
     K, N = _check(x, qweight, qtype, N, "gguf_linear_mma"), int(N)

@@ -49,9 +49,11 @@ from glm5serve.kernels.gguf_gemv import (
     SUPPORTED_QTYPES,
     _NAMES,
     _as_words,
+    _check_tensors,
     _device_sms,
     _index,
     _gdc_wait,
+    _ints,
     _pow2_at_least,
     _pow2_at_most,
     _reduce_acc,
@@ -329,10 +331,10 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
 def supports_moe(qtype_w13: int, qtype_w2: int, num_tokens: int, hidden: int, inter: int) -> bool:
     """True where ``gguf_moe`` is meant to be used: supported types, 1..MAX_GEMM_M tokens (per-pair kernels up to
     16 or 128 tokens, ``per_pair``; grouped by expert beyond), whole quant blocks."""
-    try:
-        q13, q2 = type_id(qtype_w13, "supports_moe"), type_id(qtype_w2, "supports_moe")
-    except ValueError:
+    ints = _ints(qtype_w13, qtype_w2, num_tokens, hidden, inter)
+    if ints is None:
         return False
+    q13, q2, num_tokens, hidden, inter = ints
     return (q13 in SUPPORTED_QTYPES and q2 in SUPPORTED_QTYPES and 1 <= num_tokens <= MAX_GEMM_M
             and hidden % BLOCK_SIZES[q13][0] == 0 and inter % BLOCK_SIZES[q2][0] == 0)
 
@@ -460,6 +462,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         if q not in SUPPORTED_QTYPES:
             raise ValueError(f"gguf_moe: {name}={q} is not a supported GGML type (supported: "
                              f"{', '.join(_NAMES[t] for t in sorted(SUPPORTED_QTYPES))})")
+    _check_tensors("gguf_moe", x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
         raise ValueError(f"gguf_moe: expected x (T, H) and uint8 w13/w2 (E, N, row_bytes), got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)} {w13.dtype}, {tuple(w2.shape)} {w2.dtype}")

@@ -55,6 +55,7 @@ from glm5serve.kernels.gguf_gemv import (
     _as_words,
     _check_config,
     _check_out,
+    _check_tensors,
     _index,
     _gdc_wait,
     _pow2_at_least,
@@ -164,6 +165,7 @@ def _q6_k_join(rows: torch.Tensor, nb: int) -> torch.Tensor:
 
 def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch.Tensor:
     qtype = type_id(qtype, "split rows")
+    _check_tensors("split rows", qweight=qweight)
     if qtype not in SPLITTABLE:
         raise ValueError(f"split rows: no split layout for {type_name(qtype)}")
     if not can_split(qtype, K):
@@ -607,6 +609,7 @@ def _check_split(qweight: torch.Tensor, stype: int, K: int | None, N: int, x: to
                  fn: str = "split rows") -> int:
     """Validate a split weight, and x (M, K) bf16/fp16/fp32 on the weight's device where given (K None: x's);
     returns the GGML base type.  Raises ValueError naming what does not fit."""
+    _check_tensors(fn, qweight=qweight, **({} if x is None else {"x": x}))
     if x is not None:
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{fn}: x must be (M, K) bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
