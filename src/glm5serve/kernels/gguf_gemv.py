@@ -1057,13 +1057,10 @@ def type_id(v, fn: str, name: str = "qtype") -> int:
     """``v`` as a GGML or split type id: an integer (``gguf.GGMLQuantizationType``, numpy and torch integers too),
     bool excluded.  Raises ValueError naming ``fn`` for anything else (``int()`` would read 12.7 as Q4_K and fail
     on "Q4_K" or None with a message that names neither the function nor the argument)."""
-    try:
-        i = operator.index(v)
-    except TypeError:
-        i = None
-    if i is None or isinstance(v, bool):
+    ints = _ints(v)
+    if ints is None:
         raise ValueError(f"{fn}: {name}={v!r} is not a GGML type id (an int, e.g. gguf.GGMLQuantizationType.Q4_K)")
-    return i
+    return ints[0]
 
 
 def _check_config(config, fn: str) -> None:

@@ -58,6 +58,7 @@ from glm5serve.kernels.gguf_gemv import (
     _check_tensors,
     _index,
     _gdc_wait,
+    _ints,
     _pow2_at_least,
     _pow2_at_most,
     _prefetch_lines,
@@ -104,10 +105,10 @@ def type_name(qtype: int) -> str:
 def can_split(qtype: int, K: int) -> bool:
     """Whether rows of K elements of ``qtype`` have a split layout: a splittable type and an even number of
     blocks (the codes are read as int32 words; rows of 34 nb or 210 nb bytes are whole words only for even nb)."""
-    try:
-        qtype = type_id(qtype, "can_split")
-    except ValueError:
+    ints = _ints(qtype)
+    if ints is None:
         return False
+    qtype = ints[0]
     return (qtype in SPLITTABLE and isinstance(K, numbers.Integral) and K > 0
             and K % (2 * BLOCK_SIZES[qtype][0]) == 0)
 
