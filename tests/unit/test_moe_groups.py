@@ -3,6 +3,9 @@ groups, the layout the grouped MoE kernels read (vLLM's ``moe_align_block_size``
 definition, for drawn routings with repeated experts, unused experts and dropped (negative) ids."""
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -36,3 +39,13 @@ def test_groups_hold_each_routed_pair_once_in_expert_order(case):
     got = [(int(gexp[g]), pairs[g * gm:(g + 1) * gm].tolist()) for g in range(G)]
     assert got[:len(expected)] == expected
     assert all(e == -1 for e, _ in got[len(expected):]), "groups past the last expert's run must be unused (-1)"
+
+
+def test_routings_of_another_rank_or_size_are_refused_in_one_line():
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    for bad in (ids.view(-1), ids.view(3, 2, 1)):  # (T, k) only: other ranks were flattened silently
+        msg = f"expert_groups: topk_ids must be (T, k), got shape {tuple(bad.shape)}"
+        with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+            expert_groups(bad, 4)
+    with pytest.raises(ValueError, match=r"^expert_groups: num_experts=2147483648 does not fit int32 expert ids"):
+        expert_groups(ids, 2**31)  # tried to allocate the counts of 2**31 experts

@@ -21,6 +21,7 @@ from glm5serve.kernels.gguf_split import (
     can_split,
     join_rows,
     pick_split_config,
+    served_split,
     split_rows,
     split_type,
 )
@@ -96,6 +97,13 @@ def test_type_ids_and_layout_conditions(monkeypatch):
     assert as_served(q6, Q.Q6_K, 512) == (q6, int(Q.Q6_K))  # Q6_K is served as GGUF rows when asked
     monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
     assert as_served(q6, Q.Q6_K, 512)[1] == split_type(Q.Q6_K)  # and as split rows by default
+    # a bool for type ids of any integer kind (a torch integer gave a tensor)
+    for q in (torch.tensor(int(Q.Q6_K)), np.int64(Q.Q6_K), Q.Q6_K, torch.tensor(int(Q.Q8_0))):
+        assert served_split(q, 512) is True
+    assert served_split(torch.tensor(int(Q.Q4_K)), 512) is False and served_split("Q8_0", 64) is False
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "0")
+    assert served_split(torch.tensor(int(Q.Q6_K)), 512) is False and served_split(Q.Q8_0, 64) is True
+    monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
     # split rows are only read by glm5serve: every batch size, K of an even number of blocks
     assert supports(split_type(Q.Q5_0), 4096, 7, 64) and not supports(split_type(Q.Q5_0), 1, 7, 96)
     assert supports(split_type(Q.Q6_K), 3, 7, 1024) and not supports(split_type(Q.Q6_K), 3, 7, 768)

@@ -293,9 +293,12 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
         (capture-safe: no host synchronisation).  Within an expert, pairs keep ascending order.
     Same layout as vLLM's ``moe_align_block_size`` (``fused_moe/moe_align_block_size.py``).
     Raises:
-        ValueError: topk_ids not an integer tensor, num_experts not an int >= 0, group_m not an int >= 1.
+        ValueError: topk_ids not a 2-D integer tensor, num_experts not an int in [0, 2**31) (``group_expert`` is
+            int32), group_m not an int >= 1.
     """
     num_experts = _index(num_experts, "num_experts", "expert_groups")
+    if num_experts >= 2**31:
+        raise ValueError(f"expert_groups: num_experts={num_experts} does not fit int32 expert ids")
     try:
         gm = operator.index(group_m)  # numpy and torch integers too, as num_experts
     except TypeError:
@@ -307,6 +310,8 @@ def expert_groups(topk_ids: torch.Tensor, num_experts: int, group_m: int = GROUP
             or topk_ids.dtype == torch.bool:
         raise ValueError(f"expert_groups: topk_ids must be an integer tensor, got "
                          f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"expert_groups: topk_ids must be (T, k), got shape {tuple(topk_ids.shape)}")
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()

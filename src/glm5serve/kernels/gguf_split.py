@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 
 import torch
@@ -778,8 +779,10 @@ SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 
 def served_split(qtype: int, K: int) -> bool:
     """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K unless
-    ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above)."""
-    return can_split(qtype, K) and (qtype != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0")
+    ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above).  A bool for any qtype (a torch integer too)."""
+    if not can_split(qtype, K):
+        return False
+    return operator.index(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0"
 
 
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:
