@@ -756,7 +756,7 @@ else:
         from glm5serve.kernels.gguf_mma import gguf_linear_mma, gguf_linear_split_mma
         from glm5serve.kernels.gguf_moe import expert_groups
         from glm5serve.kernels.gguf_split import (base_type, can_split, dequantize_split_rows, gguf_linear_split,
-                                                  split_rows, split_type)
+                                                  join_rows, split_rows, split_type)
 
         w, x = torch.zeros(4, 144, dtype=torch.uint8), torch.zeros(1, 256)
         ids, wts = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
@@ -768,7 +768,7 @@ else:
                  "gguf_linear_split: stype": lambda q: gguf_linear_split(x, w, q, 4),
                  "dequantize_rows: stype": lambda q: dequantize_split_rows(w, q, 256),
                  "split_type": split_type, "base_type: stype": base_type,
-                 "split rows": lambda q: split_rows(w, q, 256),
+                 "split_rows": lambda q: split_rows(w, q, 256), "join_rows": lambda q: join_rows(w, q, 256),
                  "gguf_moe: qtype_w13": lambda q: gguf_moe(x, w[None], w[None], wts, ids, q, Q.Q4_K),
                  "gguf_moe: qtype_w2": lambda q: gguf_moe(x, w[None], w[None], wts, ids, Q.Q4_K, q)}
         for bad in ("Q4_K", None, 12.7, float(Q.Q4_K), True):
@@ -850,7 +850,7 @@ else:
                 ("gguf_linear_split_mma", "x", "list", lambda: gguf_linear_split_mma(xl, s8, split_type(Q.Q8_0), 4)),
                 ("dequantize_rows", "qweight", "ndarray", lambda: dequantize_rows(wn, Q.Q4_K, 256)),
                 ("dequantize_rows", "qweight", "ndarray", lambda: dequantize_rows(s8.numpy(), split_type(Q.Q8_0), 256)),
-                ("split rows", "qweight", "ndarray", lambda: split_rows(s8.numpy(), Q.Q8_0, 256)),
+                ("split_rows", "qweight", "ndarray", lambda: split_rows(s8.numpy(), Q.Q8_0, 256)),
                 ("quantize_activations", "x", "list", lambda: quantize_activations(xl)),
                 ("gguf_moe", "topk_ids", "list", lambda: gguf_moe(x, w[None], w[None], wts, [[0]], Q.Q4_K, Q.Q4_K)),
                 ("gguf_moe", "w13", "ndarray", lambda: gguf_moe(x, wn[None], w[None], wts, ids, Q.Q4_K, Q.Q4_K))):

@@ -110,8 +110,17 @@ def test_type_ids_and_layout_conditions(monkeypatch):
 
 
 def test_bad_input_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="no split layout for Q4_K"):
+    with pytest.raises(ValueError, match="^split_type: no split layout for Q4_K$"):
         split_type(Q.Q4_K)
+    # each function names itself (both said "split rows:"; join_rows blamed base_type for its own argument)
+    with pytest.raises(ValueError, match="^join_rows: qtype='Q8_0' is not a GGML type id"):
+        join_rows(torch.zeros(2, 68, dtype=torch.uint8), "Q8_0", 64)
+    with pytest.raises(ValueError, match="^join_rows: Q8_0 rows of K=96 have no split layout"):
+        join_rows(torch.zeros(2, 102, dtype=torch.uint8), split_type(Q.Q8_0), 96)
+    with pytest.raises(ValueError, match="^split_rows: K=64.0 must be an int >= 0$"):
+        split_rows(torch.zeros(2, 68, dtype=torch.uint8), Q.Q8_0, 64.0)
+    w = torch.arange(2 * 68, dtype=torch.uint8).view(2, 68)  # K of any integer kind (a tensor K was "no layout")
+    assert torch.equal(split_rows(w, Q.Q8_0, torch.tensor(64)), split_rows(w, Q.Q8_0, np.int64(64)))
     with pytest.raises(ValueError, match="Q8_0 rows of K=96 have no split layout"):
         split_rows(torch.zeros(2, 102, dtype=torch.uint8), Q.Q8_0, 96)
     with pytest.raises(ValueError, match=r"Q5_0 weight \(2, 40\) torch.uint8 does not hold uint8 rows of 44 bytes"):
@@ -120,6 +129,10 @@ def test_bad_input_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match="Q4_0/split weight"):
         gguf_linear(torch.zeros(1, 64), torch.zeros(2, 36, dtype=torch.uint8), split_type(Q.Q4_0), 3)
+    # K short of a block: no "0 bytes per row"
+    with pytest.raises(ValueError, match=r"^gguf_linear: Q4_K weight \(2, 144\) does not hold 2 rows of K=100 \(K "
+                                         r"must be a multiple of 256\)$"):
+        gguf_linear(torch.zeros(1, 100), torch.zeros(2, 144, dtype=torch.uint8), Q.Q4_K, 2)
 
 
 @pytest.mark.parametrize("qtype,M,N,K,expect", [

@@ -1087,7 +1087,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str =
     K = x.shape[1]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
         raise ValueError(f"{fn}: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
-                         f"K={K} (K must be a multiple of {qk}, {K // qk * qb} bytes per row)")
+                         f"K={K} (K must be a multiple of {qk}" + (f", {K // qk * qb} bytes per row)" if K % qk == 0 else ")"))
     return K
 
 

@@ -489,7 +489,7 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         qk, qb = BLOCK_SIZES[q]
         if two_i % 2 or K % qk or K // qk * qb > w.shape[2] or w.shape[1] != N or w.shape[0] != E:
             raise ValueError(f"gguf_moe: {name} {tuple(w.shape)} does not hold (E={E}, {N}, K={K}) of "
-                             f"{_NAMES[q]} (K a multiple of {qk}, {K // qk * qb} bytes per row)")
+                             f"{_NAMES[q]} (K a multiple of {qk}" + (f", {K // qk * qb} bytes per row)" if K % qk == 0 else ")"))
         if w.stride(2) != 1:
             raise ValueError(f"gguf_moe: {name} must have contiguous rows (last stride 1), got strides "
                              f"{w.stride()}")

@@ -87,7 +87,7 @@ def split_type(qtype: int) -> int:
     """The split-row type id of GGML type ``qtype`` (Q4_0, Q5_0, Q8_0 or Q6_K)."""
     qtype = type_id(qtype, "split_type")
     if qtype not in SPLITTABLE:
-        raise ValueError(f"split rows: no split layout for {_NAMES.get(qtype, f'GGML type {qtype}')}")
+        raise ValueError(f"split_type: no split layout for {_NAMES.get(qtype, f'GGML type {qtype}')}")
     return SPLIT_BASE + qtype
 
 
@@ -165,19 +165,20 @@ def _q6_k_join(rows: torch.Tensor, nb: int) -> torch.Tensor:
     return _q6_k_blocks(q, tail)
 
 
-def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool) -> torch.Tensor:
-    qtype = type_id(qtype, "split rows")
-    _check_tensors("split rows", qweight=qweight)
+def _regroup(qweight: torch.Tensor, qtype: int, K: int, to_split: bool, fn: str) -> torch.Tensor:
+    qtype = type_id(qtype, fn)
+    _check_tensors(fn, qweight=qweight)
     if qtype not in SPLITTABLE:
-        raise ValueError(f"split rows: no split layout for {type_name(qtype)}")
+        raise ValueError(f"{fn}: no split layout for {type_name(qtype)}")
+    K = _index(K, "K", fn)
     if not can_split(qtype, K):
-        raise ValueError(f"split rows: {type_name(qtype)} rows of K={K} have no split layout (need an even number "
+        raise ValueError(f"{fn}: {type_name(qtype)} rows of K={K} have no split layout (need an even number "
                          f"of {BLOCK_SIZES[qtype][0]}-element blocks)")
     qk, bb = BLOCK_SIZES[qtype]
     nb = K // qk
     rb = nb * bb
     if qweight.dtype != torch.uint8 or qweight.shape[-1] < rb:
-        raise ValueError(f"split rows: {type_name(qtype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
+        raise ValueError(f"{fn}: {type_name(qtype)} weight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold uint8 rows of {rb} bytes (K={K})")
     out = qweight.clone()
     n = math.prod(qweight.shape[:-1])
@@ -214,12 +215,13 @@ def split_rows(qweight: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
     Raises:
         ValueError: another type, K of an odd number of blocks, or rows shorter than row_bytes.
     """
-    return _regroup(qweight, qtype, K, True)
+    return _regroup(qweight, qtype, K, True, "split_rows")
 
 
 def join_rows(split: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
-    """The inverse of ``split_rows``: split rows of GGML type ``qtype`` (the base id) back to GGUF rows."""
-    return _regroup(split, base_type(qtype), K, False)
+    """The inverse of ``split_rows``: split rows of GGML type ``qtype`` (the base id, or its split id) back to GGUF
+    rows; raises ValueError as ``split_rows``."""
+    return _regroup(split, base_type(type_id(qtype, "join_rows")), K, False, "join_rows")
 
 
 # ---------------------------------------------------------------------------------------------------------------
