@@ -19,7 +19,11 @@ kernels (two gate+up loops, slot after slot, no PDL), 256 experts top-8, 1 / 4 /
 Rounding h to int8 inside the gate+up kernel (the last program of each 32-value block quantizes it: three
 launches, not four) was slower at every batch size: H100, session 31, same run, us, in-kernel / own launch, 1 / 4 /
 16 / 64 tokens: TP=8 17.7 / 17.6, 46.9 / 45.1, 158.0 / 150.3, 579.0 / 559.1; whole experts 85.5 / 81.2, 326.6 /
-306.0, 1,198.4 / 1,127.9, 4,644.5 / 4,485.7; so h keeps its own quantizer launch.
+306.0, 1,198.4 / 1,127.9, 4,644.5 / 4,485.7; so h keeps its own quantizer launch.  Rounding h in the down
+kernel instead (each slots-side-by-side program rounds its token's SLOTS h rows, then broadcasts them over its tile
+rows: 198 registers against 112, 164 shuffles in the SASS against 15) was slower too: H100, session 33, same run,
+us, in-kernel / own launch, 1 / 4 / 16 / 64 tokens: TP=8 17.9 / 16.5, 53.3 / 46.2, 185.4 / 149.8, 712.3 / 558.2;
+TP=4 33.9 / 26.8, 104.7 / 86.0, 379.0 / 293.4, 1,491.9 / 1,126.8.
 
 Each (token, slot) pair reads its expert's weights itself, so a batch with repeated experts re-reads them
 (from L2 when concurrent); for decode batches (<= 16 tokens; <= 128 with int8 activations) that costs less than
