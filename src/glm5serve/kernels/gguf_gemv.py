@@ -1086,8 +1086,9 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qtype: int, N: int, fn: str =
     qk, qb = BLOCK_SIZES[qtype]
     K = x.shape[1]
     if K % qk or K // qk * qb > qweight.shape[-1] or qweight.shape[0] < N:
+        per_row = "" if K % qk else f", {K // qk * qb} bytes per row"
         raise ValueError(f"{fn}: {_NAMES[qtype]} weight {tuple(qweight.shape)} does not hold {N} rows of "
-                         f"K={K} (K must be a multiple of {qk}" + (f", {K // qk * qb} bytes per row)" if K % qk == 0 else ")"))
+                         f"K={K} (K must be a multiple of {qk}{per_row})")
     return K
 
 

@@ -492,8 +492,9 @@ def gguf_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     for name, w, q, K, N in (("w13", w13, q13, H, two_i), ("w2", w2, q2, inter, H)):
         qk, qb = BLOCK_SIZES[q]
         if two_i % 2 or K % qk or K // qk * qb > w.shape[2] or w.shape[1] != N or w.shape[0] != E:
+            per_row = "" if K % qk else f", {K // qk * qb} bytes per row"
             raise ValueError(f"gguf_moe: {name} {tuple(w.shape)} does not hold (E={E}, {N}, K={K}) of "
-                             f"{_NAMES[q]} (K a multiple of {qk}" + (f", {K // qk * qb} bytes per row)" if K % qk == 0 else ")"))
+                             f"{_NAMES[q]} (K a multiple of {qk}{per_row})")
         if w.stride(2) != 1:
             raise ValueError(f"gguf_moe: {name} must have contiguous rows (last stride 1), got strides "
                              f"{w.stride()}")
