@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from glm5serve.errors import GGUFModelError
 
@@ -128,6 +129,11 @@ def _open_reader(path: Path) -> GGUFReader:
         # gguf-py's own words for a cut-off or garbled header ("When changing to a larger dtype...", "not enough
         # values to unpack", "index 0 is out of bounds") say nothing to a user: name the defect, keep the reason
         msg = str(e)
+        version = re.match(r"Sorry, file appears to be version (\d+)", msg)
+        if version:
+            readable = " and ".join(map(str, READER_SUPPORTED_VERSIONS))
+            raise GGUFModelError(f"unsupported GGUF version {version[1]} (gguf-py reads versions {readable})",
+                                 file=str(path)) from None
         if "GGMLQuantizationType" in msg:
             raise GGUFModelError(f"unknown ggml tensor type ({msg})", file=str(path)) from None
         if "reshape" in msg:  # tensor data cut off (the size check in _Reader should catch it first)

@@ -217,6 +217,19 @@ def test_truncated_header_says_so(n_bytes, tiny_checkpoint, tmp_path, capsys):
     _verify_fail(path, capsys, path.name, "header truncated or corrupt")
 
 
+@pytest.mark.parametrize("version,shown", [(1, 1), (4, 4), (5 << 24, 5)])  # the last: big-endian 5
+def test_unsupported_version_is_not_called_truncated(version, shown, tiny_checkpoint, tmp_path, capsys):
+    """A GGUF of a version gguf-py cannot read (v1, a future v4, a byte-swapped value) is named as such, not as a
+    truncated or corrupt header."""
+    path = tmp_path / f"v{version}.gguf"
+    b = bytearray(tiny_checkpoint.read_bytes())
+    b[4:8] = version.to_bytes(4, "little")
+    path.write_bytes(bytes(b))
+    line = _one_line(["inspect", str(path)], capsys, path.name, f"unsupported GGUF version {shown} ", "versions 2 and 3")
+    assert "truncated" not in line and "Sorry" not in line
+    _verify_fail(path, capsys, path.name, "unsupported GGUF version")
+
+
 def test_directory_and_empty_path(tmp_path, capsys):
     _one_line(["inspect", str(tmp_path)], capsys, str(tmp_path), "is a directory")
     _one_line(["inspect", ""], capsys, "empty path")
