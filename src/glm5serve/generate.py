@@ -71,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
     from glm5serve.reference import ReferenceModel
     from glm5serve.tokenizer import tokenizer_from_gguf
 
-    if args.max_tokens < 1 or args.logprobs < 0:
-        print("glm5serve generate: --max-tokens must be >= 1 and --logprobs >= 0", file=sys.stderr)
-        return 2
+    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--logprobs", args.logprobs, 0)):
+        if value < least:
+            print(f"glm5serve generate: {flag} {value} must be >= {least}", file=sys.stderr)
+            return 2
     if args.model is None:
         from glm5serve.cache import default_checkpoint
 

@@ -230,6 +230,14 @@ def test_unsupported_version_is_not_called_truncated(version, shown, tiny_checkp
     _verify_fail(path, capsys, path.name, "unsupported GGUF version")
 
 
+@pytest.mark.parametrize("flag,value,least", [("--max-tokens", "0", 1), ("--max-tokens", "-1", 1), ("--logprobs", "-2", 0)])
+def test_generate_names_the_bad_flag(flag, value, least, tiny_checkpoint, capsys):
+    other = "--logprobs" if flag == "--max-tokens" else "--max-tokens"
+    line = _one_line(["generate", str(tiny_checkpoint), "--prompt", "Hi", flag, value, other, "1"], capsys,
+                     f"{flag} {value} must be >= {least}")
+    assert other not in line
+
+
 def test_directory_and_empty_path(tmp_path, capsys):
     _one_line(["inspect", str(tmp_path)], capsys, str(tmp_path), "is a directory")
     _one_line(["inspect", ""], capsys, "empty path")
