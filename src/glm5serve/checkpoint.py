@@ -542,10 +542,14 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("make-checkpoint", help="write a deterministic synthetic GLM-5 GGUF",
                               description=make_checkpoint.__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="directory to write the GGUF file(s) into")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="tiny: every dimension small (the CPU tests' model); narrow: GLM-5's attention and indexer "
+                        "dimensions, 3 layers, 16 experts (default tiny)")
+    p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl",
+                   help="tensor types: unsloth's UD-Q4_K_XL mix, all bf16, all f32, or bf16 re-quantized by llama.cpp "
+                        "as Q4_K_M (needs the oracle extra; default ud-q4_k_xl)")
     p.add_argument("--split", type=int, default=1, help="number of files (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_run)
 
 

@@ -181,7 +181,8 @@ def add_parser(subparsers) -> None:
                    help="model dimensions (default glm5: the real GLM-5)")
     p.add_argument("--layers", type=int, help="main layers to keep (a slice: the dense layers, then MoE layers; "
                    "no MTP block); default all")
-    p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl")
+    p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl", help="tensor types, as make-checkpoint's --mix "
+                   "(default ud-q4_k_xl)")
     p.set_defaults(func=_run)
 
 

@@ -179,3 +179,16 @@ def test_python_dash_m_and_version():
     proc = subprocess.run([sys.executable, "-m", "glm5serve", "frobnicate"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_every_option_has_help_text():
+    """``glm5serve CMD --help`` explains every argument of every sub-command (session 33's fresh-user pass found
+    make-checkpoint's --preset / --mix / --seed, synthetic-gguf's --mix and five bench options without any)."""
+    import argparse
+
+    from glm5serve.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [f"{name} {' / '.join(a.option_strings) or a.dest}" for name, p in sub.choices.items()
+            for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert len(sub.choices) >= 7 and not bare, bare
