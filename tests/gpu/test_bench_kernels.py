@@ -36,10 +36,12 @@ import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import triton
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
@@ -469,4 +471,77 @@ def test_bench_pdl_modes(pdl_table, qtype, shape, M):
     pdl_table[f"{qtype.name} {shape} M={M}"] = times
     print(f"\n{qtype.name} {shape} M={M}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     del ws, served
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opt-in sweep of int8 tensor-core tiles (``gguf_mma``) -> mma_sweep.json
+# ---------------------------------------------------------------------------------------------------------------
+
+#: (type, shape, batch) swept: ``$GLM5SERVE_BENCH_SWEEP_MMA`` as "Q6_K:lm_head/8:16,Q4_K:expert down:16"; the
+#: default is the tensor-core row furthest from 10x the plugin (H100, session 33: 36 % of copy bandwidth, 66 % needed)
+MMA_SWEEP_CASES = [(Q[t], s, int(m)) for t, s, m in (c.split(":") for c in os.environ.get(
+    "GLM5SERVE_BENCH_SWEEP_MMA", "Q6_K:lm_head/8:16").split(","))]
+#: seconds of timing per case before the rest of the grid is skipped (each new tile also compiles a kernel)
+MMA_SWEEP_BUDGET_S = float(os.environ.get("GLM5SERVE_BENCH_SWEEP_MMA_S", "200"))
+
+
+def _mma_grid(qtype, M, N, K, sms, split: bool):
+    """Tensor-core launch configs: rows per program x warps x pipelining stages x super-blocks per step (GGUF rows;
+    split rows take whole 256-element steps) x split-K 1/2/4/8 (deduplicated by the split they end up with)."""
+    nb = K // 256
+    grid = []
+    for block_n, warps in ((64, 2), (32, 2), (64, 4), (128, 4), (32, 1), (16, 1), (128, 8)):  # 64 on 1 spills
+        for stages in (1, 2, 3):
+            for kbs in ((8,) if split else (1, 2)):
+                for split_k in (1, 2, 4, 8):
+                    steps = nb if split else math.ceil(nb / kbs)
+                    per = math.ceil(steps / split_k) * (1 if split else kbs)
+                    grid.append(GemvConfig(block_n=block_n, kbs=kbs, split_k=math.ceil(nb / per), num_warps=warps,
+                                           block_m=16 if M > 8 else 8, q8=split, mma=True, stages=stages))
+    return list(dict.fromkeys(grid))
+
+
+mma_sweep_table = _table_to_json(lambda: "mma_sweep.json", lambda table: {"cases": table})
+
+
+@pytest.mark.skipif(os.environ.get("GLM5SERVE_BENCH_SWEEP") != "1", reason="opt-in: GLM5SERVE_BENCH_SWEEP=1")
+@pytest.mark.parametrize("qtype,shape,M", MMA_SWEEP_CASES, ids=[f"{q.name}-{s}-{m}" for q, s, m in MMA_SWEEP_CASES])
+def test_sweep_mma_tiles(mma_sweep_table, qtype, shape, M):
+    """Times the tensor-core tiles of ``_mma_grid`` on weights as served against the production config, same run;
+    each tile's output must match the production one up to fp32 summation order."""
+    N, K, _ = SHAPES[shape]
+    sms, device = _device_info(torch.device(DEV))
+    gen = torch.Generator(DEV).manual_seed(5)
+    served = [as_served(w, qtype, K) for w in _copies(lambda: random_qweight_torch(qtype, (N, K), DEV, gen),
+                                                      _qbytes(qtype, N, K))]
+    stype = served[0][1]
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    prod = (pick_split_config(stype, M, N, K, sms) if stype in SPLIT_QTYPES
+            else pick_config(qtype, M, N, K, sms, x.dtype, device))
+    assert prod.mma, f"{qtype.name} {shape} M={M} does not run on the tensor cores ({prod})"
+    ref = gguf_linear(x, served[0][0], stype, N, prod).float()
+    timings = {prod: _graph_us([functools.partial(gguf_linear, x, w, t, N, prod) for w, t in served])[0]}
+    start, skipped, failed = time.monotonic(), 0, []
+    for cfg in _mma_grid(qtype, M, N, K, sms, stype in SPLIT_QTYPES):
+        if cfg in timings:
+            continue
+        if time.monotonic() - start > MMA_SWEEP_BUDGET_S:
+            skipped += 1
+            continue
+        try:
+            y = gguf_linear(x, served[0][0], stype, N, cfg).float()
+        except triton.runtime.errors.OutOfResources as e:  # shared memory or registers: not a candidate
+            failed.append(f"{cfg}: {e}"[:200])
+            continue
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-3, cfg  # only the fp32 summation order differs
+        timings[cfg] = _graph_us([functools.partial(gguf_linear, x, w, t, N, cfg) for w, t in served])[0]
+    prod_again = _graph_us([functools.partial(gguf_linear, x, w, t, N, prod) for w, t in served])[0]  # drift
+    best = sorted(timings, key=timings.get)[:8]
+    mma_sweep_table[f"{qtype.name} {shape} M={M}"] = dict(
+        production=dataclasses.asdict(prod), production_us=[timings[prod], prod_again], timed=len(timings),
+        skipped=skipped, failed=failed, best=[dict(config=dataclasses.asdict(c), us=timings[c]) for c in best])
+    print(f"\n{qtype.name} {shape} M={M}: production {timings[prod]:.1f} / {prod_again:.1f} us {prod}; "
+          f"{len(timings)} timed, {skipped} skipped, {len(failed)} out of resources; best " + "; ".join(f"{timings[c]:.1f} us {c}" for c in best[:4]))
+    del served
     torch.cuda.empty_cache()
