@@ -418,13 +418,30 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> 
                              "first_diff": loose.first_diff, "identical": o["tokens"] == b["tokens"]})
                 for a, tier in ((tight, "before the first router near-tie"), (loose, "whole generation")):
                     if not a.ok:
-                        failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why}")
+                        seen = _reference_view(ref_model, p, b["tokens"], o["tokens"], a.why, m, moved)
+                        rows[-1].setdefault("reference", []).append(seen)
+                        failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why} [{seen}]")
     _summary(results_dir, name, {"backends": other["backends"], "gguf_kernels": other["gguf_kernels"],
                                  "tol_tight": TOL_TIGHT, "tol": TOL,
                                  "router_tau": ROUTER_TAU, "max_tight_gap": max(r["tight_gap"] for r in rows),
                                  "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
                                  "prompts": len(rows), "rows": rows})
     assert not failures, failures
+
+
+def _reference_view(ref_model, prompt: list[int], base: list[int], other: list[int], why: str,
+                    margins: torch.Tensor, moved: torch.Tensor) -> str:
+    """What the fp32 reference says at the step a comparison rule broke (``why`` starts "step N:"), for the failure
+    message: its logprobs of the baseline's and the other engine's tokens there (teacher forced on the baseline's
+    tokens before N), the smallest router top-k margin over the generated steps up to N and where, and how far one
+    prompt near-tie flip can move step N.  Reports, never decides: the rules above decide."""
+    step = int(why.split(":")[0].split()[1])
+    with torch.inference_mode():
+        lp = torch.log_softmax(ref_model.forward(list(prompt) + list(base[:step]))[-1].float(), -1).cpu()
+    k = int(margins[:step + 1].argmin())
+    return (f"reference at step {step}: baseline's token {base[step]} {lp[base[step]]:.2f}, other's {other[step]} "
+            f"{lp[other[step]]:.2f}, its top {int(lp.argmax())} {lp.max():.2f}; smallest router margin up to here "
+            f"{float(margins[k]):.4f} at step {k}; a prompt near-tie moves this step by <= {float(moved[step]):.2f}")
 
 
 def test_past_index_topk_determinism_and_gap(engines, results_dir, reference):
