@@ -25,7 +25,9 @@ sweep (``GLM5SERVE_BENCH_SWEEP=1 ... -k sweep``; types from ``GLM5SERVE_BENCH_SW
 a grid of launch configs per shape and batch and writes ``tuned/<device>.json``; copied to
 ``src/glm5serve/kernels/tuned/`` it makes ``pick_config`` use the measured best.  For the swept types with a split
 layout (Q4_0/Q5_0/Q8_0/Q6_K) it also times split-row tiles and writes ``split_sweep.json`` (the best five against
-``pick_split_config``'s, for ``gguf_split._SPLIT_TILE``).
+``pick_split_config``'s, for ``gguf_split._SPLIT_TILE``).  The same switch runs ``test_sweep_mma_tiles``: the int8
+tensor-core tiles of the (type, shape, batch) cases in ``$GLM5SERVE_BENCH_SWEEP_MMA`` (default Q6_K lm_head/8 at 16
+rows) against the production config, written to ``mma_sweep.json``.
 """
 from __future__ import annotations
 
