@@ -175,7 +175,8 @@ def test_pick_split_config_examples(qtype, M, N, K, expect):
     (Q.Q6_K, 16, 2048, 6144, (64, 8, 12, 4, 2)),   # 32 row tiles, 24 steps: ~4 programs per SM -> 12 splits of 2
     (Q.Q8_0, 9, 6144, 2048, (64, 8, 4, 4, 2)),     # 96 row tiles, 8 steps: 6 splits wanted, 2 steps each: 4
     (Q.Q4_0, 12, 512, 6144, (64, 8, 24, 4, 2)),    # 8 row tiles: a split per step
-    (Q.Q6_K, 16, 19360, 6144, (64, 8, 1, 2, 1)),   # 303 row tiles >= 2 per SM: no split, 2 warps, no pipelining
+    (Q.Q6_K, 16, 19360, 6144, (64, 8, 4, 4, 2)),   # 303 row tiles >= 2 per SM: still 4-way split (SPLIT_MMA_MIN_SPLIT)
+    (Q.Q8_0, 9, 19360, 2048, (64, 8, 4, 4, 2)),    # 8 steps: 4 splits of 2
     (Q.Q4_0, 16, 2048, 64, (64, 8, 1, 4, 2)),      # 2 groups: one step
 ])
 def test_pick_split_config_takes_the_tensor_cores_from_9_rows(qtype, M, N, K, expect):
