@@ -177,6 +177,8 @@ def test_pick_split_config_examples(qtype, M, N, K, expect):
     (Q.Q4_0, 12, 512, 6144, (64, 8, 24, 4, 2)),    # 8 row tiles: a split per step
     (Q.Q6_K, 16, 19360, 6144, (64, 8, 4, 4, 2)),   # 303 row tiles >= 2 per SM: still 4-way split (SPLIT_MMA_MIN_SPLIT)
     (Q.Q8_0, 9, 19360, 2048, (64, 8, 4, 4, 2)),    # 8 steps: 4 splits of 2
+    (Q.Q6_K, 16, 19360, 512, (64, 8, 2, 4, 2)),    # 2 steps: split capped at 2
+    (Q.Q6_K, 16, 12288, 6144, (64, 8, 3, 4, 2)),   # 192 row tiles < 2 per SM: ~4 programs per SM -> 3 splits
     (Q.Q4_0, 16, 2048, 64, (64, 8, 1, 4, 2)),      # 2 groups: one step
 ])
 def test_pick_split_config_takes_the_tensor_cores_from_9_rows(qtype, M, N, K, expect):

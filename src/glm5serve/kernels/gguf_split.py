@@ -718,14 +718,15 @@ _SPLIT_ROW_TILES = {Q8_0: _LEGACY_ROW_TILES, Q4_0: _LEGACY_ROW_TILES, Q5_0: _LEG
 
 #: From this many rows (to MAX_BLOCK_M), Q8_0 / Q4_0 / Q6_K split rows go to the int8 tensor cores
 #: (``gguf_mma.gguf_linear_split_mma``): 64 rows and 8 groups per step, 4 warps, 2 stages and split-K to ~4 programs
-#: per SM, at least SPLIT_MMA_MIN_SPLIT ways (``_split_mma_config``).  H200, session 25, one
+#: per SM, or SPLIT_MMA_MIN_SPLIT ways where the row tiles alone give 2 per SM (at most the K steps in either case;
+#: ``_split_mma_config``).  H200, session 25, one
 #: run, us, at 16 / 8 rows, dp4a split rows (this module's tiles) against the best tensor-core tile of 8-16 and bf16
 #: cuBLAS: Q6_K expert gate/up 2048 x 6144 17.2 / 13.1 against 15.1 / 13.1 and 11.7; down 6144 x 2048 20.3 / 13.8
 #: against 14.8 / 13.0 and 9.4; lm_head/8 19360 x 6144 171.6 / 85.4 against 111.2 / 91.9 and 66.0 (4 rows: 52.1
 #: against 88.5); Q4_0 gate/up 17.3 / 13.0 against 13.2 / 11.3; Q8_0 gate/up 15.7 / 12.1 against 15.0 / 12.7.  At 8
 #: rows the tensor cores win on some shapes and lose on others, so they start past 8.
 SPLIT_MMA_MIN_M = 9
-#: split-K of the split-row tensor-core GEMM even where its row tiles alone fill the GPU: until session 34, tiles
+#: split-K of the split-row tensor-core GEMM where its row tiles alone give >= 2 per SM: until session 34, tiles
 #: of >= 2 per SM (lm_head/8) ran 2 warps, no pipelining, no split, 2.3 programs of 2 warps per SM, too few to hide
 #: the loads.  H100, session 34, one run, interleaved twice, us, that launch / this one (64 rows, 4 warps, 2 stages,
 #: 4-way split) / 32 rows on 2 warps without split, lm_head/8 19360 x 6144 at 16 rows: Q6_K 113.3, 111.1 / 94.8,
@@ -739,7 +740,7 @@ def _split_mma_config(N: int, K: int, sms: int) -> GemvConfig:
     """``pick_split_config`` from SPLIT_MMA_MIN_M rows: the tensor-core launch (``kbs``: groups per step)."""
     tiles = triton.cdiv(N, 64)
     steps = triton.cdiv(K // 32, 8)
-    split = min(steps, max(SPLIT_MMA_MIN_SPLIT, triton.cdiv(4 * sms, tiles)))
+    split = min(steps, SPLIT_MMA_MIN_SPLIT if tiles >= 2 * sms else triton.cdiv(4 * sms, tiles))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty splits
     return GemvConfig(block_n=64, kbs=8, split_k=split, num_warps=4, block_m=MAX_BLOCK_M, q8=True, mma=True, stages=2)
 
