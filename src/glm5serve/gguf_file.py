@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, gguf_reader
 
 from glm5serve.errors import GGUFModelError
 
@@ -131,7 +130,7 @@ def _open_reader(path: Path) -> GGUFReader:
         msg = str(e)
         version = re.match(r"Sorry, file appears to be version (\d+)", msg)
         if version:
-            readable = " and ".join(map(str, READER_SUPPORTED_VERSIONS))
+            readable = " and ".join(map(str, getattr(gguf_reader, "READER_SUPPORTED_VERSIONS", (2, 3))))
             raise GGUFModelError(f"unsupported GGUF version {version[1]} (gguf-py reads versions {readable})",
                                  file=str(path)) from None
         if "GGMLQuantizationType" in msg:

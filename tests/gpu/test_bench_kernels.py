@@ -482,7 +482,7 @@ def test_bench_pdl_modes(pdl_table, qtype, shape, M):
 
 #: (type, shape, batch) swept: ``$GLM5SERVE_BENCH_SWEEP_MMA`` as "Q6_K:lm_head/8:16,Q4_K:expert down:16"; the
 #: default is the tensor-core row furthest from 10x the plugin (H100, session 33: 36 % of copy bandwidth, 66 % needed)
-MMA_SWEEP_CASES = [(Q[t], s, int(m)) for t, s, m in (c.split(":") for c in os.environ.get(
+MMA_SWEEP_CASES = [(Q[t.strip()], s.strip(), int(m)) for t, s, m in (c.split(":") for c in os.environ.get(
     "GLM5SERVE_BENCH_SWEEP_MMA", "Q6_K:lm_head/8:16").split(","))]
 #: seconds of timing per case before the rest of the grid is skipped (each new tile also compiles a kernel)
 MMA_SWEEP_BUDGET_S = float(os.environ.get("GLM5SERVE_BENCH_SWEEP_MMA_S", "200"))
@@ -544,6 +544,7 @@ def test_sweep_mma_tiles(mma_sweep_table, qtype, shape, M):
         production=dataclasses.asdict(prod), production_us=[timings[prod], prod_again], timed=len(timings),
         skipped=skipped, failed=failed, best=[dict(config=dataclasses.asdict(c), us=timings[c]) for c in best])
     print(f"\n{qtype.name} {shape} M={M}: production {timings[prod]:.1f} / {prod_again:.1f} us {prod}; "
-          f"{len(timings)} timed, {skipped} skipped, {len(failed)} out of resources; best " + "; ".join(f"{timings[c]:.1f} us {c}" for c in best[:4]))
+          f"{len(timings)} timed, {skipped} skipped, {len(failed)} out of resources; best "
+          + "; ".join(f"{timings[c]:.1f} us {c}" for c in best[:4]))
     del served
     torch.cuda.empty_cache()

@@ -225,12 +225,14 @@ def test_unsupported_version_is_not_called_truncated(version, shown, tiny_checkp
     b = bytearray(tiny_checkpoint.read_bytes())
     b[4:8] = version.to_bytes(4, "little")
     path.write_bytes(bytes(b))
-    line = _one_line(["inspect", str(path)], capsys, path.name, f"unsupported GGUF version {shown} ", "versions 2 and 3")
+    line = _one_line(["inspect", str(path)], capsys, path.name, f"unsupported GGUF version {shown} ",
+                     "versions 2 and 3")
     assert "truncated" not in line and "Sorry" not in line
     _verify_fail(path, capsys, path.name, "unsupported GGUF version")
 
 
-@pytest.mark.parametrize("flag,value,least", [("--max-tokens", "0", 1), ("--max-tokens", "-1", 1), ("--logprobs", "-2", 0)])
+@pytest.mark.parametrize("flag,value,least", [("--max-tokens", "0", 1), ("--max-tokens", "-1", 1),
+                                              ("--logprobs", "-2", 0)])
 def test_generate_names_the_bad_flag(flag, value, least, tiny_checkpoint, capsys):
     other = "--logprobs" if flag == "--max-tokens" else "--max-tokens"
     line = _one_line(["generate", str(tiny_checkpoint), "--prompt", "Hi", flag, value, other, "1"], capsys,
