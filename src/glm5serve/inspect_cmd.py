@@ -69,7 +69,8 @@ def print_table(model: GGUFModel, file=None) -> None:
     console = Console(file=file or sys.stdout, width=120)
     multi = len(model.paths) > 1
     table = Table(title=f"{model.path.name}: {len(model)} tensors", show_lines=False)
-    for col, justify in (("name", "left"), ("type", "left"), ("shape", "right"), ("bytes", "right")):
+    # numpy order (outermost first), as gguf-py's ReaderTensor.data is shaped; llama.cpp's ne lists it reversed
+    for col, justify in (("name", "left"), ("type", "left"), ("shape (numpy order)", "right"), ("bytes", "right")):
         table.add_column(col, justify=justify)
     if multi:
         table.add_column("file", justify="right")
@@ -89,7 +90,8 @@ def print_table(model: GGUFModel, file=None) -> None:
     summary.add_row("parameters", f"{s['parameters']:,}")
     summary.add_row("size", _size(s["bytes"]))
     for name, n in s["bytes_per_type"].items():
-        summary.add_row(f"  {name}", f"{_size(n)} in {s['tensors_per_type'][name]} tensors")
+        count = s["tensors_per_type"][name]
+        summary.add_row(f"  {name}", f"{_size(n)} in {count} tensor{'s' if count != 1 else ''}")
     if s["layers"] is not None:
         summary.add_row("layers", f"{s['layers']} + {s['mtp_layers']} MTP")
     if s["experts"] is not None:

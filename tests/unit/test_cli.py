@@ -57,6 +57,26 @@ def test_inspect_table_lists_every_tensor(tiny_checkpoint, capsys):
     for t in GGUFReader(tiny_checkpoint).tensors:
         assert t.name in out
     assert "summary" in out and "16 routed (top-2) + 1 shared" in out and "3 + 1 MTP" in out
+    # shapes as numpy gives them (outermost first), and the header says so: llama.cpp's ne lists them reversed
+    name = "blk.0.ffn_down.weight"
+    ne = [int(n) for n in next(t for t in GGUFReader(tiny_checkpoint).tensors if t.name == name).shape]
+    (row,) = [line for line in out.splitlines() if f" {name} " in line]
+    assert ne[0] != ne[1] and " x ".join(map(str, reversed(ne))) in row and "shape (numpy order)" in out, row
+
+
+def test_inspect_summary_counts_one_tensor_in_the_singular(tiny_checkpoint, monkeypatch, capsys):
+    import glm5serve.inspect_cmd as ic
+
+    real = ic.summarize
+
+    def one_f32(model):
+        s = real(model)
+        return {**s, "tensors_per_type": {**s["tensors_per_type"], "F32": 1}}
+
+    monkeypatch.setattr(ic, "summarize", one_f32)
+    assert main(["inspect", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "in 1 tensor " in out and "in 1 tensors" not in out and "in 7 tensors" in out
 
 
 def test_no_model_means_the_embedded_default(tiny_checkpoint, monkeypatch, capsys):
