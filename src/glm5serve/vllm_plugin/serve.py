@@ -2,8 +2,9 @@
 
 A thin wrapper: every argument after MODEL goes to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` unchanged
 (the same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
-load). Before handing over it checks the file as ``glm5serve verify --tp`` does and prints the tensor-parallel
-size, the attention backend vLLM will pick, the quant types and an estimate of the weight memory per GPU.
+load). Before handing over it runs ``glm5serve verify --tp``'s metadata, tensor, type and TP checks (not its finite-
+values check, which reads every weight) and prints the tensor-parallel size, the attention backend vLLM will pick,
+the quant types and an estimate of the weight memory per GPU.
 """
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
 def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
 
-    Raises GGUFModelError for a file ``glm5serve verify --tp`` rejects (with verify's message), or whose data does
-    not fit ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`).
+    Raises GGUFModelError for a file that ``glm5serve verify --tp``'s open, metadata, tensor, type or TP check rejects
+    (with verify's message; the finite-values check is not run: it reads every weight), or whose data does not fit
+    ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`).
     """
     from glm5serve import verify
     from glm5serve.synthetic import check_load_format
