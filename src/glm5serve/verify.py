@@ -166,7 +166,8 @@ def check_tp(ctx: Context) -> list[Check]:
     if problems:
         tensor, reason = problems[0]
         t = ctx.model.tensors.get(tensor)
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        rest = [name or why for name, why in problems[1:]]  # tensors by name, the other problems as said
+        more = f" (and {len(rest)} more: {', '.join(rest[:3])}{', ...' if len(rest) > 3 else ''})" if rest else ""
         return [_fail("tp", reason + more, file=t.file if t else str(ctx.model.path), tensor=tensor or None)]
     return [Check("tp", True, f"TP={ctx.tp}: heads, intermediate sizes and row-parallel quant blocks divide")]
 

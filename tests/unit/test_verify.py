@@ -49,6 +49,18 @@ def test_tp8_is_refused_for_four_heads(tiny_checkpoint):
     assert "head_count=4 does not divide by TP=8" in _failures(results)[0]
 
 
+def test_tp_failure_names_the_next_problems(tiny_checkpoint):
+    """TP=3 breaks the heads, both intermediate sizes and 25 tensors: the line names the first problem and the next
+    three (tensors by name), not just a count."""
+    (line,) = _failures(verify(tiny_checkpoint, 3, HEADER))
+    m = GGUFModel(tiny_checkpoint)
+    cfg = config_from_metadata(m)
+    problems = verify_mod.tp_problems(cfg, m, {s.gguf_name: s for s in schema.expected_tensors(cfg)}, 3)
+    rest = [name or why for name, why in problems[1:]]
+    assert len(rest) > 3 and any(name for name, _ in problems[1:4]), problems[:4]
+    assert line.endswith(f"{problems[0][1]} (and {len(rest)} more: {', '.join(rest[:3])}, ...)"), line
+
+
 def test_row_parallel_k_quant_blocks_must_not_straddle_ranks(tiny_bf16_checkpoint, tmp_path, gguf_rewrite):
     """attn_output (row 256) in Q4_K is one 256-block per row: fine at TP 1, split across ranks at TP 2."""
     m = GGUFModel(tiny_bf16_checkpoint)
