@@ -131,7 +131,11 @@ def _open_reader(path: Path) -> GGUFReader:
         version = re.match(r"Sorry, file appears to be version (\d+)", msg)
         if version:
             readable = " and ".join(map(str, getattr(gguf_reader, "READER_SUPPORTED_VERSIONS", (2, 3))))
-            raise GGUFModelError(f"unsupported GGUF version {version[1]} (gguf-py reads versions {readable})",
+            with open(path, "rb") as f:
+                field = f.read(8)[4:]
+            # gguf-py reads a field whose low 16 bits are 0 as a big-endian file's (GGUFReader.__init__)
+            order = f"field bytes {field.hex(' ')}, read as big-endian; " if field[:2] == b"\0\0" else ""
+            raise GGUFModelError(f"unsupported GGUF version {version[1]} ({order}gguf-py reads versions {readable})",
                                  file=str(path)) from None
         if "GGMLQuantizationType" in msg:
             raise GGUFModelError(f"unknown ggml tensor type ({msg})", file=str(path)) from None

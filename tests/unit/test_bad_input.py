@@ -217,10 +217,11 @@ def test_truncated_header_says_so(n_bytes, tiny_checkpoint, tmp_path, capsys):
     _verify_fail(path, capsys, path.name, "header truncated or corrupt")
 
 
-@pytest.mark.parametrize("version,shown", [(1, 1), (4, 4), (5 << 24, 5)])  # the last: big-endian 5
+@pytest.mark.parametrize("version,shown", [(1, 1), (4, 4), (5 << 24, "5 (field bytes 00 00 00 05, read as big-endian;"),
+                                           (5 << 16, "1280 (field bytes 00 00 05 00, read as big-endian;")])
 def test_unsupported_version_is_not_called_truncated(version, shown, tiny_checkpoint, tmp_path, capsys):
-    """A GGUF of a version gguf-py cannot read (v1, a future v4, a byte-swapped value) is named as such, not as a
-    truncated or corrupt header."""
+    """A GGUF of a version gguf-py cannot read (v1, a future v4, fields gguf-py reads as big-endian) is named as such,
+    not as a truncated or corrupt header; a byte-swapped reading says so."""
     path = tmp_path / f"v{version}.gguf"
     b = bytearray(tiny_checkpoint.read_bytes())
     b[4:8] = version.to_bytes(4, "little")
