@@ -503,23 +503,25 @@ def add_parser(subparsers) -> None:
                               "header with --load-format glm5-synthetic); --projection to 78 layers / TP=8",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="GGUF file (shard 1 of a split set), or a synthetic-gguf header")
-    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "glm5-synthetic"), help="vLLM load format: auto (the GGUF's data) or "
-                   "glm5-synthetic (random valid weights made on the GPUs)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "glm5-synthetic"),
+                   help="vLLM load format: auto or gguf (the GGUF's data; default auto) or glm5-synthetic (random "
+                        "valid weights made on the GPUs)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY), help="default 1,8,64,256")
+    p.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY),
+                   help="concurrent requests per measurement, comma-separated (default 1,8,64,256)")
     p.add_argument("--input-len", type=int, default=40, help="prompt tokens per request (default 40)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help="eager,graphs (default both)")
     p.add_argument("--graphs-mode", choices=("default", "nocompile"), default="default",
                    help="graphs: vLLM's default compilation, or CUDA graphs without torch.compile")
     p.add_argument("--max-model-len", type=int, default=1024, help="vLLM --max-model-len (default 1024)")
-    p.add_argument("--repeats", type=int, default=2, help="timed batches per measurement (median)")
+    p.add_argument("--repeats", type=int, default=2, help="timed batches per measurement, median taken (default 2)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vLLM --gpu-memory-utilization (default 0.85)")
     p.add_argument("--attention-backend", help="vLLM --attention-backend (e.g. CUSTOM: glm5serve's Triton MLA)")
     p.add_argument("--profile", action="store_true", help="per-step kernel-time breakdown (torch profiler)")
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps in each --profile trace (default 8)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine process")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine process (default 1800)")
     p.add_argument("--workdir", help="engine logs, specs and traces (default: a temporary folder)")
     p.add_argument("--json", help="write the record (or the projection) here")
     p.add_argument("--projection", nargs="+", metavar="RESULT.json",

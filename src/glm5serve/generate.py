@@ -1,4 +1,4 @@
-"""``glm5serve generate [MODEL] --prompt TEXT --max-tokens N [--logprobs K]``: text from a GLM-5 GGUF with the
+"""``glm5serve generate [MODEL] --prompt TEXT [--max-tokens N] [--logprobs K]``: text from a GLM-5 GGUF with the
 reference engine (:mod:`glm5serve.reference`) on the CPU, tokenized with the GGUF's own tokenizer.
 
 With no MODEL the embedded default checkpoint (:func:`glm5serve.cache.default_checkpoint`) is built once and used.
@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens (default 32)")
     p.add_argument("--logprobs", type=int, default=0, metavar="K",
-                   help="after the text, list each new token's logprob and the top-K alternatives")
+                   help="after the text, list each new token's logprob and the top-K alternatives (default 0: "
+                        "no list)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); else sample")
     p.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**63-1 (default 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")

@@ -1,4 +1,4 @@
-"""``glm5serve verify MODEL [--tp N]``: the static half of the harness -- is this GGUF a loadable GLM-5?
+"""``glm5serve verify [MODEL] [--tp N]``: the static half of the harness -- is this GGUF a loadable GLM-5?
 
 Checks, in order (each a function ``(ctx) -> list[Check]``; :data:`STATIC_CHECKS`; other layers -- e.g. an engine
 run -- extend the list): the files open as one split set; architecture and metadata present and consistent; the
