@@ -309,7 +309,7 @@ def test_eager_matches_reference(config, engines, prompts, results_dir, referenc
     _summary(results_dir, f"{config}-vs-reference", {"backends": run["backends"], "gguf_kernels": run["gguf_kernels"],
              "split_weights": run["split_weights"], "vllm": run["vllm"], "exact": sum(x["exact"] for x in rows),
              "top5_ok": sum(x["top5_ok"] for x in rows), "prompts": len(rows), "rows": rows})
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
     short = [x for x in rows if x["prompt_len"] <= 2048]
     assert sum(x["top5_ok"] for x in short) >= len(short) - 2, f"top-5 rule broken on too many prompts: {rows}"
 
@@ -332,7 +332,7 @@ def test_graphs_bit_identical_to_eager(eager_config, graphs_config, engines, res
                 if not a.ok:
                     failures.append(f"{g}[{bi}] prompt {e['prompt_len']}: {a.why}")
     _summary(results_dir, f"{graphs_config}-vs-eager", {"backends": graphs["backends"], "identical": report})
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
 
 
 def test_default_compile_close_to_eager(engines, results_dir, ref_model):
@@ -384,7 +384,7 @@ def test_glm5serve_kernels_as_close_to_reference_as_plugin_kernels(engines, resu
                        "steps_before_first_diff": agree}
     _summary(results_dir, "glm5serve-vs-plugin-kernels", {"gguf_kernels": ours["gguf_kernels"],
                                                           "split_weights": ours["split_weights"], **stats})
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
     assert stats["glm5serve"]["mean_gap"] <= 1.1 * stats["plugin"]["mean_gap"], stats
 
 
@@ -426,7 +426,7 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model) -> 
                                  "router_tau": ROUTER_TAU, "max_tight_gap": max(r["tight_gap"] for r in rows),
                                  "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
                                  "prompts": len(rows), "rows": rows})
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
 
 
 def _reference_view(ref_model, prompt: list[int], base: list[int], other: list[int], why: str,
@@ -472,4 +472,4 @@ def test_past_index_topk_determinism_and_gap(engines, results_dir, reference):
                 if not rerun.ok:  # the gap to the reference is reported here, asserted in test_eager_matches_reference
                     failures.append(f"{g}[{bi}] prompt {a1['prompt_len']}: eager rerun: {rerun.why}")
     _summary(results_dir, "determinism", {"rows": rows})
-    assert not failures, failures
+    assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
