@@ -126,3 +126,14 @@ def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, r
 def gguf_rewrite():
     """:func:`rewrite` as a fixture (edit a GGUF into a bad or variant file)."""
     return rewrite
+
+
+def pytest_collection_finish(session):
+    """Start every selected module's ``start_in_background`` (long single-process runs such as the interpreted
+    kernel tests) before the first test runs, so they share the machine's cores with the rest of the suite."""
+    if session.config.option.collectonly:
+        return
+    for module in {id(it.module): it.module for it in session.items if getattr(it, "module", None)}.values():
+        start = getattr(module, "start_in_background", None)
+        if callable(start):
+            start()
