@@ -38,6 +38,10 @@ TOL = 1.0
 #: a router top-k margin below this (sigmoid-score units) is a near-tie that bf16 router logits can flip; every
 #: divergence measured on the H200 (vLLM 0.25, narrow ud-q4_k_xl) sat at a margin <= 0.0048
 ROUTER_TAU = 0.005
+# Not re-fit to the H100, where the compile-vs-eager and CUSTOM-vs-vLLM-MLA comparisons fail (three runs on two
+# machines, bit-identical records): first divergences at margins 0.0058-0.0070, and after a near-tie flip token
+# flips at baseline margins up to 2.5 with the fp32 reference siding with either engine. Raising the constants
+# to that card's data would loosen the test; the failure messages carry the reference's view instead.
 SHORT = [5, 17, 40, 130, 300, 700, 1500, 2000]   # <= index_topk (2048): DSA selects every key
 LONG = [2100, 2600]                                 # > index_topk: the indexer's top-k matters
 
