@@ -128,12 +128,20 @@ def gguf_rewrite():
     return rewrite
 
 
+def _runs_in_background(item) -> bool:
+    return callable(getattr(getattr(item, "module", None), "start_in_background", None))
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that wait for a background run (``start_in_background`` below) go last, so that every other test runs
+    while it does; the order is otherwise kept."""
+    items.sort(key=_runs_in_background)
+
+
 def pytest_collection_finish(session):
     """Start every selected module's ``start_in_background`` (long single-process runs such as the interpreted
     kernel tests) before the first test runs, so they share the machine's cores with the rest of the suite."""
     if session.config.option.collectonly:
         return
-    for module in {id(it.module): it.module for it in session.items if getattr(it, "module", None)}.values():
-        start = getattr(module, "start_in_background", None)
-        if callable(start):
-            start()
+    for module in {id(it.module): it.module for it in session.items if _runs_in_background(it)}.values():
+        module.start_in_background()
