@@ -183,10 +183,17 @@ def add_parser(subparsers) -> None:
                    "no MTP block); default all")
     p.add_argument("--mix", choices=MIXES, default="ud-q4_k_xl", help="tensor types, as make-checkpoint's --mix "
                    "(default ud-q4_k_xl)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists (by default an existing file is "
+                   "refused: a real checkpoint's weights would be lost)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not (args.force and out.is_file()):
+        raise GGUFModelError(f"{out}: exists" + (" (--force overwrites it)" if out.is_file() else ""))
+    if not out.parent.is_dir():
+        raise GGUFModelError(f"{out.parent}: no such directory")
     try:
         path = write_header(args.out, args.preset, args.layers, args.mix)
     except ValueError as e:

@@ -212,3 +212,22 @@ def test_every_option_has_help_text():
     bare = [f"{name} {' / '.join(a.option_strings) or a.dest}" for name, p in sub.choices.items()
             for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
     assert len(sub.choices) >= 7 and not bare, bare
+
+
+def test_synthetic_gguf_keeps_an_existing_file(tiny_checkpoint, tmp_path, capsys):
+    """An existing OUT is refused unless --force (fresh-user finding: a real checkpoint's weights were replaced by a
+    hole, exit 0); a folder that does not exist is refused, not created."""
+    import shutil
+
+    real = tmp_path / "real.gguf"
+    shutil.copy(tiny_checkpoint, real)
+    before = real.read_bytes()
+    assert main(["synthetic-gguf", str(real), "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == f"glm5serve synthetic-gguf: {real}: exists (--force overwrites it)"
+    assert real.read_bytes() == before
+    assert main(["synthetic-gguf", str(real), "--preset", "tiny", "--force"]) == 0
+    assert real.read_bytes() != before
+    missing = tmp_path / "no" / "such" / "x.gguf"
+    assert main(["synthetic-gguf", str(missing), "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"synthetic-gguf: {missing.parent}: no such directory")
+    assert not missing.parent.exists()
