@@ -68,7 +68,7 @@ def _eps(value: str) -> float | str:
 
 def run(args: argparse.Namespace) -> int:
     from glm5serve.config import eog_token_ids
-    from glm5serve.gguf_file import GGUFModel
+    from glm5serve import verify
     from glm5serve.reference import ReferenceModel
     from glm5serve.tokenizer import tokenizer_from_gguf
 
@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         from glm5serve.cache import default_checkpoint
 
         args.model = str(default_checkpoint())
-    gguf = GGUFModel(args.model)
+    # what verify refuses is refused here too (an unknown tensor would otherwise be skipped or mis-assigned)
+    gguf = verify.require(args.model, (verify.check_open, verify.check_metadata, verify.check_tensors,
+                                       verify.check_types)).model
     tok = tokenizer_from_gguf(gguf)
     model = ReferenceModel.from_gguf(args.model, dtype=DTYPES[args.dtype], mla=args.mla,
                                      qa_kv_norm_eps=args.qa_kv_norm_eps)

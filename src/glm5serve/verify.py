@@ -220,6 +220,19 @@ STATIC_CHECKS: list[Callable[[Context], list[Check]]] = [
 FATAL = {check_open, check_metadata, check_tensors}
 
 
+def require(path, checks: tuple[Callable[[Context], list[Check]], ...], tp: int = 1) -> Context:
+    """Run ``checks`` in order on the GGUF at ``path`` and return their :class:`Context` (``model``, ``cfg``,
+    ``specs`` filled in): the pre-flight of commands that use a file, so they refuse what ``verify`` fails.
+
+    Raises GGUFModelError with the first failed check's one-line detail (``FILE: TENSOR: reason``)."""
+    ctx = Context(str(path), tp)
+    for check in checks:
+        for result in check(ctx):
+            if not result.ok:
+                raise GGUFModelError(result.detail)
+    return ctx
+
+
 def verify(path, tp: int = 1, checks: list[Callable[[Context], list[Check]]] | None = None) -> list[Check]:
     """Run ``checks`` (default :data:`STATIC_CHECKS`) on the GGUF at ``path`` for tensor-parallel size ``tp``.
 

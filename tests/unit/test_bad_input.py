@@ -463,3 +463,27 @@ def test_a_split_name_that_numbers_no_shard(tiny_checkpoint, tmp_path, capsys):
     path = tmp_path / "z-00000-of-00000.gguf"
     shutil.copy(tiny_checkpoint, path)
     _one_line(["inspect", str(path)], capsys, path.name, "shard 0 of 0: not a split set")
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"add": {"blk.0.attn_bogus.weight": (np.zeros((4, 256), np.float32), Q.F32)}},
+     ("blk.0.attn_bogus.weight", "unknown tensor")),
+    # without the MTP count the MTP block's tensors are unknown; the reference used to run them as a main layer
+    ({"set_keys": {"glm-dsa.nextn_predict_layers": 0}}, (".nextn.", "unknown tensor")),
+])
+def test_generate_and_serve_refuse_what_verify_rejects(edit, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """generate and serve --dry-run run verify's checks first: a file verify fails is refused with verify's message
+    (fresh-user finding: generate printed another continuation, exit 0, for both files)."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "edited.gguf", **edit)
+    detail = _verify_fail(path, capsys, *words).split(None, 2)[2]
+    for argv in (["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], ["serve", str(path), "--dry-run"]):
+        assert _one_line(argv, capsys).strip() == f"glm5serve {argv[0]}: {detail}"
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.merges", "tokenizer.ggml.tokens"])
+def test_serve_refuses_a_gguf_without_its_tokenizer(key, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """vLLM builds the tokenizer from the GGUF: serve's pre-flight runs verify's tokenizer check (fresh-user
+    finding: --dry-run printed the vLLM command for a file without merges)."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "notok.gguf", drop_keys={key})
+    detail = _verify_fail(path, capsys, "tokenizer").split(None, 2)[2]
+    assert _one_line(["serve", str(path), "--dry-run"], capsys).strip() == f"glm5serve serve: {detail}"

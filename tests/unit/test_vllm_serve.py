@@ -101,3 +101,24 @@ def test_serve_refuses_real_weights_with_the_synthetic_load_format(tiny_checkpoi
         assert main(["serve", str(tiny_checkpoint), "--load-format", "glm5-synthetic", *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and tiny_checkpoint.name in err and "needs a header from" in err, err
+
+
+@pytest.mark.parametrize("args", [["--tensor-parallel-size"], ["-tp", "--enforce-eager"]])
+def test_an_option_without_its_value_is_refused(tiny_checkpoint, capsys, args):
+    """Fresh-user finding: a trailing --tensor-parallel-size was read as TP 1 and printed into the vLLM command."""
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"glm5serve serve: {args[0]} needs a value" and not captured.out
+
+
+def test_the_printed_command_pastes_into_a_shell(tiny_checkpoint, tmp_path, capsys):
+    """A model path with spaces is quoted in the printed vLLM command (fresh-user finding)."""
+    import shlex
+    import shutil
+
+    spaced = tmp_path / "a dir" / "m odel.gguf"
+    spaced.parent.mkdir()
+    shutil.copy(tiny_checkpoint, spaced)
+    assert main(["serve", str(spaced), "--dry-run", "--max-model-len", "64"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("vLLM:"))
+    assert shlex.split(line.split(":", 1)[1])[-4:] == ["serve", str(spaced), "--max-model-len", "64"]

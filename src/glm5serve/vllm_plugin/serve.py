@@ -2,14 +2,15 @@
 
 A thin wrapper: every argument after MODEL goes to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` unchanged
 (the same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
-load). Before handing over it runs ``glm5serve verify --tp``'s metadata, tensor, type and TP checks (not its finite-
-values check, which reads every weight) and prints the tensor-parallel size, the attention backend vLLM will pick,
+load). Before handing over it runs ``glm5serve verify --tp``'s metadata, tokenizer, tensor, type and TP checks (not its
+finite-values check, which reads every weight) and prints the tensor-parallel size, the attention backend vLLM will pick,
 the quant types and an estimate of the weight memory per GPU.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from gguf import GGMLQuantizationType as Q
@@ -32,11 +33,15 @@ def add_parser(subparsers) -> None:
 
 
 def option(args: list[str], *names: str, default=None):
-    """The value of a vLLM command-line option (``--name V`` or ``--name=V``; the last one wins)."""
+    """The value of a vLLM command-line option (``--name V`` or ``--name=V``; the last one wins).
+
+    Raises GGUFModelError for ``--name`` as the last argument or followed by another option (no value)."""
     value = default
     for i, a in enumerate(args):
         for n in names:
-            if a == n and i + 1 < len(args):
+            if a == n:
+                if i + 1 == len(args) or (args[i + 1].startswith("-") and not args[i + 1][1:2].isdigit()):
+                    raise GGUFModelError(f"{n} needs a value")
                 value = args[i + 1]
             elif a.startswith(n + "="):
                 value = a[len(n) + 1:]
@@ -91,19 +96,16 @@ def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
 def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
 
-    Raises GGUFModelError for a file that ``glm5serve verify --tp``'s open, metadata, tensor, type or TP check rejects
-    (with verify's message; the finite-values check is not run: it reads every weight), or whose data does not fit
+    Raises GGUFModelError for a file that ``glm5serve verify --tp``'s open, metadata, tokenizer, tensor, type or TP
+    check rejects (with verify's message; the finite-values check is not run: it reads every weight; vLLM builds its
+    tokenizer from the GGUF), or whose data does not fit
     ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`).
     """
     from glm5serve import verify
     from glm5serve.synthetic import check_load_format
 
-    ctx = verify.Context(str(path), tp)
-    for check in (verify.check_open, verify.check_metadata, verify.check_tensors, verify.check_types,
-                  verify.check_tp):
-        for result in check(ctx):
-            if not result.ok:
-                raise GGUFModelError(result.detail)
+    ctx = verify.require(path, (verify.check_open, verify.check_metadata, verify.check_tokenizer,
+                                verify.check_tensors, verify.check_types, verify.check_tp), tp)
     model, cfg = ctx.model, ctx.cfg
     check_load_format(model, option(vllm_args, "--load-format", default="auto"))
     types: dict[str, int] = {}
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     for label, value in settings(args.model, tp, vllm_args):
         print(f"{label:>18}: {value}")
     cmd = vllm_command(args.model, vllm_args)
-    print(f"{'vLLM':>18}: {' '.join(cmd)}", flush=True)
+    print(f"{'vLLM':>18}: {shlex.join(cmd)}", flush=True)  # quoted: a path with spaces pastes into a shell
     if dry_run:
         return 0
     require_gpus(tp)
