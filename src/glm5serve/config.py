@@ -72,8 +72,10 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
     if cfg.index_head_dim < cfg.qk_rope_head_dim:
         out.append(f"{a}attention.indexer.key_length={cfg.index_head_dim} is below the rope dimension "
                    f"{cfg.qk_rope_head_dim}")
-    if cfg.num_attention_heads <= 0 or cfg.index_n_heads <= 0 or cfg.index_topk <= 0:
-        out.append("head counts and indexer top_k must be positive")
+    for key, value in (("attention.head_count", cfg.num_attention_heads),
+                       ("attention.indexer.head_count", cfg.index_n_heads), ("attention.indexer.top_k", cfg.index_topk)):
+        if value <= 0:
+            out.append(f"{a}{key}={value} is not positive")
     for key, v in (("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps),  # NaN or <= 0: NaN logits, no error
                    ("rope.freq_base", cfg.rope_parameters["rope_theta"]),
                    ("expert_weights_scale", cfg.routed_scaling_factor)):

@@ -385,6 +385,10 @@ def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, ca
     ("glm-dsa.rope.freq_base", -5.0, "is not a positive finite number"),
     ("glm-dsa.expert_weights_scale", 0.0, "is not a positive finite number"),
     ("glm-dsa.block_count", 4_000_000_000, "but the file's tensors stop at blk.3"),
+    # each names its key (fresh-user finding: one message named none of the three)
+    ("glm-dsa.attention.head_count", 0, "glm-dsa.attention.head_count=0 is not positive"),
+    ("glm-dsa.attention.indexer.head_count", 0, "glm-dsa.attention.indexer.head_count=0 is not positive"),
+    ("glm-dsa.attention.indexer.top_k", 0, "glm-dsa.attention.indexer.top_k=0 is not positive"),
 ])
 def test_metadata_numbers_that_cannot_run(key, value, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     """Before: a NaN or negative epsilon / rope base passed ``verify`` and ``generate`` printed NaN logprobs with
