@@ -211,8 +211,9 @@ def check_finite(ctx: Context) -> list[Check]:
             block = GGML_QUANT_SIZES[t.qtype][0]
             return [_fail("finite", f"non-finite value after dequantization (row {row}, block {c // block})",
                           file=t.file, tensor=t.name)]
-    how = f", {sampled} large ones sampled ({SAMPLE_ROWS} rows each)" if sampled else ""
-    return [Check("finite", True, f"all {len(ctx.model)} tensors dequantize to finite values{how}")]
+    how = (f"{len(ctx.model) - sampled} in full, {sampled} large ones on {SAMPLE_ROWS} sampled rows each"
+           if sampled else "all in full")
+    return [Check("finite", True, f"{len(ctx.model)} tensors dequantize to finite values ({how})")]
 
 
 STATIC_CHECKS: list[Callable[[Context], list[Check]]] = [

@@ -144,3 +144,15 @@ def test_sample_rows_cover_both_ends():
 def test_check_lines_are_single_lines(tiny_checkpoint):
     results = verify(tiny_checkpoint, 8, HEADER)
     assert all("\n" not in c.line() for c in results) and len(results) == len(HEADER)
+
+
+def test_finite_line_says_which_tensors_were_sampled(tiny_checkpoint, monkeypatch):
+    """The PASS line counts the tensors read in full and the sampled ones; it does not claim that all were read
+    (fresh-user finding: 'all 94 tensors dequantize to finite values, 9 large ones sampled')."""
+    model = GGUFModel(tiny_checkpoint)
+    monkeypatch.setattr(verify_mod, "FULL_CHECK_BYTES", 64 << 10)
+    large = sum(1 for t in model if t.n_bytes > verify_mod.FULL_CHECK_BYTES)
+    assert 0 < large < len(model)
+    (check,) = [c for c in verify(tiny_checkpoint, 1, [*HEADER, verify_mod.check_finite]) if c.name == "finite"]
+    assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values ({len(model) - large} in "
+                                         f"full, {large} large ones on {verify_mod.SAMPLE_ROWS} sampled rows each)")
