@@ -549,7 +549,7 @@ def add_parser(subparsers) -> None:
                    help="tensor types: unsloth's UD-Q4_K_XL mix, all bf16, all f32, or bf16 re-quantized by llama.cpp "
                         "as Q4_K_M (needs the oracle extra; default ud-q4_k_xl)")
     p.add_argument("--split", type=int, default=1, help="number of files (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, 0 to 2**32-1 (default 0)")
     p.set_defaults(func=_run)
 
 

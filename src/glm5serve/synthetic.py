@@ -193,7 +193,7 @@ def _run(args) -> int:
     if out.exists() and not (args.force and out.is_file()):
         raise GGUFModelError(f"{out}: exists" + (" (--force overwrites it)" if out.is_file() else ""))
     if not out.parent.is_dir():
-        raise GGUFModelError(f"{out.parent}: no such directory")
+        raise GGUFModelError(f"{out.parent}: " + ("not a directory" if out.parent.exists() else "no such directory"))
     try:
         path = write_header(args.out, args.preset, args.layers, args.mix)
     except ValueError as e:
