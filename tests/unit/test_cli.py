@@ -231,3 +231,5 @@ def test_synthetic_gguf_keeps_an_existing_file(tiny_checkpoint, tmp_path, capsys
     assert main(["synthetic-gguf", str(missing), "--preset", "tiny"]) == 2
     assert capsys.readouterr().err.strip().endswith(f"synthetic-gguf: {missing.parent}: no such directory")
     assert not missing.parent.exists()
+    assert main(["synthetic-gguf", str(real / "x.gguf"), "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"synthetic-gguf: {real}: not a directory")
