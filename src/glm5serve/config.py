@@ -51,14 +51,15 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
     a = ARCH + "."
     out = []
 
-    def eq(key: str, want) -> None:
+    def eq(key: str, want, source: str) -> None:
         v = md.get(a + key)
         if v is not None and metadata_value(a + key, v, int, path) != int(want):
-            out.append(f"{a}{key}={int(v)} but the other keys give {int(want)}")
+            out.append(f"{a}{key}={int(v)} but {source} give{'s' * (' + ' not in source)} {int(want)}")
 
-    eq("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    eq("attention.value_length", cfg.kv_lora_rank)
-    eq("attention.head_count_kv", 1)
+    eq("attention.key_length", cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+       f"{a}attention.kv_lora_rank + {a}rope.dimension_count ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim})")
+    eq("attention.value_length", cfg.kv_lora_rank, f"{a}attention.kv_lora_rank")
+    eq("attention.head_count_kv", 1, "MLA (one latent KV head)")
     if cfg.max_position_embeddings <= 0:
         out.append(f"{a}context_length={cfg.max_position_embeddings} is not positive")
     if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:

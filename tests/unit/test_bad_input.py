@@ -389,6 +389,7 @@ def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, ca
     ("glm-dsa.attention.head_count", 0, "glm-dsa.attention.head_count=0 is not positive"),
     ("glm-dsa.attention.indexer.head_count", 0, "glm-dsa.attention.indexer.head_count=0 is not positive"),
     ("glm-dsa.attention.indexer.top_k", 0, "glm-dsa.attention.indexer.top_k=0 is not positive"),
+    ("glm-dsa.rope.dimension_count", 0, "but glm-dsa.attention.kv_lora_rank + glm-dsa.rope.dimension_count ("),
 ])
 def test_metadata_numbers_that_cannot_run(key, value, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     """Before: a NaN or negative epsilon / rope base passed ``verify`` and ``generate`` printed NaN logprobs with
