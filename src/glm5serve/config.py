@@ -74,7 +74,8 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
         out.append(f"{a}attention.indexer.key_length={cfg.index_head_dim} is below the rope dimension "
                    f"{cfg.qk_rope_head_dim}")
     for key, value in (("attention.head_count", cfg.num_attention_heads),
-                       ("attention.indexer.head_count", cfg.index_n_heads), ("attention.indexer.top_k", cfg.index_topk)):
+                       ("attention.indexer.head_count", cfg.index_n_heads),
+                       ("attention.indexer.top_k", cfg.index_topk)):
         if value <= 0:
             out.append(f"{a}{key}={value} is not positive")
     for key, v in (("attention.layer_norm_rms_epsilon", cfg.rms_norm_eps),  # NaN or <= 0: NaN logits, no error

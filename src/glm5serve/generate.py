@@ -30,9 +30,11 @@ def add_parser(subparsers) -> None:
                         "no list)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); else sample")
     p.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**63-1 (default 0)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype (default float32)")
-    p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded", help="MLA form: expanded (kv_b_proj, default) or absorbed into q and o (the same math: results "
-                   "equal up to rounding)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights and compute dtype (default float32)")
+    p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded",
+                   help="MLA form: expanded (kv_b_proj, default) or absorbed into q and o (the same math: results "
+                        "equal up to rounding)")
     p.add_argument("--qa-kv-norm-eps", type=_eps, default="1e-6",
                    help='q_a/kv_a RMSNorm eps: 1e-6 (transformers, default) or "rms_norm_eps" (llama.cpp, vLLM)')
     p.set_defaults(func=run)
