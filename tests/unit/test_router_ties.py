@@ -1,0 +1,120 @@
+"""Router near-ties and single expert flips in the reference engine (``glm5serve.testing.router_ties``), the
+helpers the GPU end-to-end test uses to let the fp32 reference settle a divergence between two bf16 engines."""
+import pytest
+import torch
+
+from glm5serve.testing import router_ties as rt
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    from glm5serve.reference import ReferenceModel
+
+    return ReferenceModel.from_gguf(tiny_checkpoint)
+
+
+IDS = [3, 141, 59, 26, 5, 358, 97, 93, 238, 46, 264, 338]
+
+
+def test_margins_cover_every_moe_layer_and_position(model):
+    m = rt.topk_margins(model, IDS)
+    layers = rt.moe_layers(model)
+    assert m.shape == (len(layers), len(IDS)) and layers and all(model.mlp_types[i] != "dense" for i in layers)
+    assert bool((m >= 0).all()) and bool((m > 0).any())
+    everything = rt.near_ties(model, IDS, float("inf"))
+    assert len(everything) == m.numel() and [(f.pos, f.layer) for f in everything] == sorted(
+        (p, layer) for layer in layers for p in range(len(IDS)))
+    assert rt.near_ties(model, IDS, 0.0) == []
+    tau = float(m.median())
+    ties = rt.near_ties(model, IDS, tau, start=4)
+    assert ties and all(f.margin < tau and f.pos >= 4 for f in ties)
+    assert len(ties) == int((m[:, 4:] < tau).sum())
+
+
+def test_a_flip_swaps_the_kth_expert_for_the_runner_up_at_that_position_only(model):
+    layer, pos, k = rt.moe_layers(model)[0], 5, model.top_k
+    x = torch.randn(len(IDS), model._p(layer, "mlp.gate.weight").shape[1], generator=torch.Generator().manual_seed(0))
+    w0, ids0 = type(model).router(model, layer, x)
+    w1, ids1 = rt._flipped_router(model, rt.Flip(layer, pos, 0.0))(layer, x)
+    others = torch.arange(len(IDS)) != pos
+    assert torch.equal(ids0[others], ids1[others]) and torch.equal(w0[others], w1[others])
+    gate, bias = model._p(layer, "mlp.gate.weight"), model._p(layer, "mlp.gate.e_score_correction_bias")
+    choice = torch.sigmoid(x @ gate.T) + bias
+    ranking = choice[pos].argsort(descending=True)
+    assert ids1[pos].tolist() == ranking[:k - 1].tolist() + [int(ranking[k])]
+    if model.norm_topk_prob:
+        assert float(w1[pos].sum()) == pytest.approx(model.routed_scaling_factor, rel=1e-5)
+    # another layer is left alone
+    other_layer = next(i for i in rt.moe_layers(model) if i != layer)
+    assert torch.equal(rt._flipped_router(model, rt.Flip(layer, pos, 0.0))(other_layer, x)[1],
+                       type(model).router(model, other_layer, x)[1])
+
+
+def test_a_flip_changes_that_position_and_not_the_ones_before(model):
+    base = rt.logprobs(model, IDS)
+    flip = rt.Flip(rt.moe_layers(model)[-1], 6, 0.0)
+    flipped = rt.logprobs(model, IDS, flip)
+    assert flipped.shape == base.shape and base.shape[0] == len(IDS) and base.dtype == torch.float32
+    torch.testing.assert_close(flipped[:6], base[:6], atol=1e-5, rtol=0)  # causal: earlier positions unchanged
+    assert float((flipped[6] - base[6]).abs().max()) > 1e-3
+    assert "router" not in vars(model)  # the stand-in router is removed again
+
+
+def test_last_step_under_flips_lists_the_unflipped_step_then_the_nearest_ties(model):
+    tau = float(rt.topk_margins(model, IDS).quantile(0.3))
+    entries = rt.last_step_under_flips(model, IDS, tau, max_flips=3)
+    ties = rt.near_ties(model, IDS, tau)
+    assert [f for f, _ in entries] == [None] + ties[-3:]
+    torch.testing.assert_close(entries[0][1], rt.logprobs(model, IDS)[-1], atol=0, rtol=0)
+    torch.testing.assert_close(entries[1][1], rt.logprobs(model, IDS, ties[-3])[-1], atol=0, rtol=0)
+    assert [f for f, _ in rt.last_step_under_flips(model, IDS, tau, max_flips=0)] == [None]
+
+
+def test_bf16_flip_range(model, tiny_checkpoint):
+    from glm5serve.reference import ReferenceModel
+
+    assert rt.bf16_flip_range(model, model, [IDS, IDS[:5]]) == 0.0  # the same model never routes differently
+    bf16 = ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.bfloat16)
+    r = rt.bf16_flip_range(model, bf16, [IDS])
+    assert 0.0 <= r < float(rt.topk_margins(model, IDS).max())  # rounding does not flip the clearest choice
+
+
+def test_grouped_routers_are_refused(model):
+    assert model.n_group == 1
+    model.n_group = 2
+    try:
+        with pytest.raises(ValueError, match="single-group routers only, not n_group=2"):
+            rt.logprobs(model, IDS, rt.Flip(rt.moe_layers(model)[0], 0, 0.0))
+    finally:
+        model.n_group = 1
+
+
+def _top5(lp: torch.Tensor) -> dict[int, float]:
+    v, i = lp.topk(5)
+    return dict(zip(i.tolist(), v.tolist()))
+
+
+SEQ = [292, 87, 70, 472, 88, 396, 314, 193, 486, 39, 87, 174]  # the tiny model: some flips change its next token
+
+
+def test_settles_a_divergence_that_one_flip_reproduces_and_no_other(model):
+    """Two stand-in engines: the reference itself, and the reference with one near-tie flipped. The reference
+    settles the pair with that flip available, and not without any flip; an engine further off than any single
+    flip moves the reference is never settled."""
+    entries = rt.last_step_under_flips(model, SEQ, 1.0, max_flips=100)
+    lp0, a0 = entries[0][1], int(entries[0][1].argmax())
+    token_flip = next((f, lp) for f, lp in entries[1:] if int(lp.argmax()) != a0)
+    same_token = max(((f, lp) for f, lp in entries[1:] if int(lp.argmax()) == a0),
+                     key=lambda e: abs(float(e[1][a0] - lp0[a0])))
+    moved = abs(float(same_token[1][a0] - lp0[a0]))
+    assert moved > 0.2, moved
+    for (flip, lp), tol in ((token_flip, 0.05), (same_token, moved / 4)):
+        args = (model, SEQ, _top5(lp0), a0, _top5(lp), int(lp.argmax()), tol)
+        ok, how = rt.settles(*args, tau=flip.margin * 1.001, max_flips=100)
+        assert ok and f"a flip in layer {flip.layer} at position {flip.pos}" in how, how
+        ok, how = rt.settles(*args, tau=flip.margin * 1.001, max_flips=0)
+        assert not ok and "not settled" in how and "(0 near-ties" in how, how
+    far = _top5(lp0)
+    far[a0] -= 100.0
+    assert max(abs(float(lp[a0] - lp0[a0])) for _, lp in entries) < 99  # so no single flip reaches that far
+    assert not rt.settles(model, SEQ, _top5(lp0), a0, far, a0, 0.25, tau=1.0, max_flips=100)[0]
