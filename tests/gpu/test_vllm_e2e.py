@@ -42,9 +42,12 @@ ROUTER_TAU = 0.005
 # Not re-fit to the H100, where the compile-vs-eager and CUSTOM-vs-vLLM-MLA comparisons failed (three runs on two
 # machines, bit-identical records): divergences began at margins 0.0058-0.0070, and after a near-tie flip tokens
 # flipped at baseline margins up to 2.5. Raising the constants to that card's data would loosen the test. Instead
-# the fp32 reference settles a broken step where it can (``_close``): replayed offline on the CPU, one router flip
-# at a margin of 0.002-0.007 reproduced each of those three token flips; three steps in the tight tier (gaps of
-# 0.27 and 0.29, a flip at baseline margin 0.75) stayed unsettled.
+# the fp32 reference settles a broken step where it can (``_close``). In the next H100 run (its torch.compile
+# engine differed from the earlier ones on 18 of 29 requests, the others were bit-identical), compile-vs-eager
+# passed: a gap of 0.2507 settled with no flip, a token flip at baseline margin 2.0 by one flip at margin 0.0070.
+# CUSTOM-vs-vLLM-MLA still failed on batch3's 40-token prompt, step 2: a flip at baseline margin 0.75 that no
+# single router flip reproduces (q 0.77 -> 0.53 at best, 0.50 wanted; two flips, at margins 0.020 and 0.017,
+# give 0.33).
 SHORT = [5, 17, 40, 130, 300, 700, 1500, 2000]   # <= index_topk (2048): DSA selects every key
 LONG = [2100, 2600]                                 # > index_topk: the indexer's top-k matters
 
@@ -199,8 +202,9 @@ def flip_range(narrow, ref_model, reference, prompts) -> float:
     """How far bf16 rounding reaches into router margins on this checkpoint, measured: the largest fp32 top-k margin
     at which the reference computing in bf16 routes a token to another expert set than in fp32, over the single
     prompts within index_topk and the reference's own tokens (``router_ties.bf16_flip_range``); at least
-    ROUTER_TAU. Measured on the CPU over prompts of <= 700 tokens teacher-forced on the H100 eager engine's tokens,
-    it was 0.032: bf16 changed the expert set at 3 % of token-layers, at margins up to six times ROUTER_TAU."""
+    ROUTER_TAU. On the H100 it was 0.096; on the CPU, over the prompts of <= 700 tokens teacher-forced on the H100
+    eager engine's tokens, 0.032, with 3 % of token-layers routed to another set: bf16 reaches far beyond the
+    margins (<= 0.007) at which the engines were seen to diverge."""
     from glm5serve.reference import ReferenceModel
     from glm5serve.testing.router_ties import bf16_flip_range
 
