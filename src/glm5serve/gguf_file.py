@@ -142,8 +142,19 @@ def _open_reader(path: Path) -> GGUFReader:
         if "reshape" in msg:  # tensor data cut off (the size check in _Reader should catch it first)
             raise GGUFModelError("truncated file: tensor data runs past the end of the file", file=str(path)) from None
         reason = " ".join(msg.split())[:120] or type(e).__name__
-        raise GGUFModelError(f"not a readable GGUF file: header truncated or corrupt ({reason})",
-                             file=str(path)) from None
+        raise GGUFModelError(f"not a readable GGUF file: header truncated or corrupt: {_header_extent(path)} "
+                             f"(gguf-py: {reason})", file=str(path)) from None
+
+
+def _header_extent(path: Path) -> str:
+    """What a cut-off or garbled header still tells: the file's size against the fixed header (magic, version,
+    tensor count, metadata key count: 24 bytes, ggml/docs/gguf.md) and the counts it declares."""
+    size = path.stat().st_size
+    if size < 24:
+        return f"the file is {size} bytes and ends inside GGUF's 24-byte fixed header"
+    with open(path, "rb") as f:
+        n_tensors, n_kv = struct.unpack("<QQ", f.read(24)[8:])
+    return f"the file is {size} bytes; its header declares {n_kv} metadata keys and {n_tensors} tensors"
 
 
 def _field_value(field, path: Path) -> Any:

@@ -212,8 +212,16 @@ def test_invalid_utf8_token_names_key_and_element(command, bad_utf8, capsys):
 def test_truncated_header_says_so(n_bytes, tiny_checkpoint, tmp_path, capsys):
     path = tmp_path / f"head{n_bytes}.gguf"
     path.write_bytes(tiny_checkpoint.read_bytes()[:n_bytes])
-    line = _one_line(["inspect", str(path)], capsys, path.name, "not a readable GGUF file: header truncated or corrupt (")
-    assert line.rstrip().endswith(")") and "()" not in line  # gguf-py's reason is kept
+    line = _one_line(["inspect", str(path)], capsys, path.name, "not a readable GGUF file: header truncated or corrupt: "
+                     f"the file is {n_bytes} bytes")
+    if n_bytes < 24:
+        assert "ends inside GGUF's 24-byte fixed header" in line, line
+    else:  # the counts the fixed header declares, read independently with gguf-py from the whole file
+        from gguf import GGUFReader
+
+        whole = GGUFReader(tiny_checkpoint)
+        assert f"declares {len(whole.fields) - 3} metadata keys and {len(whole.tensors)} tensors" in line, line
+    assert "(gguf-py: " in line and line.rstrip().endswith(")") and "()" not in line  # gguf-py's reason is kept
     _verify_fail(path, capsys, path.name, "header truncated or corrupt")
 
 
