@@ -3,7 +3,8 @@
 A cached checkpoint lives in a directory named after its arguments and a digest of the code that writes it
 (checkpoint, tokenizer, corpus, schema, config and quantizer modules, gguf-py's version), so a change to any of them
 builds a fresh one (stale ones are deleted after a day unused). Building happens in a temporary directory renamed
-into place, so concurrent builders (parallel test sessions) never see a half-written file.
+into place, so concurrent builders (parallel test sessions) never see a half-written file. Each entry records its
+files' sizes; one cut short or removed later is rebuilt on its next use.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from functools import lru_cache
@@ -60,6 +62,14 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
     stem = f"{checkpoint_name(preset, mix, seed)}-x{split}{extra}-"
     target = cache_dir() / "checkpoints" / f"{stem}{code_digest()}"
     done = target / "COMPLETE"
+    if done.is_file() and (damage := _damage(target)):
+        print(f"glm5serve: cached checkpoint {target} is damaged ({damage}); rebuilding it", file=sys.stderr)
+        aside = target.parent / f".build-damaged-{os.getpid()}-{time.time_ns()}"
+        try:
+            os.replace(target, aside)  # atomic: concurrent users see the old entry or none
+        except OSError:
+            pass  # another process moved it first
+        shutil.rmtree(aside, ignore_errors=True)
     if done.is_file():
         os.utime(target)  # in use: not stale
     else:
@@ -67,7 +77,8 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
         try:
             path = make_checkpoint(tmp, preset, mix, split, seed, progress=progress, **options)
-            (tmp / "COMPLETE").write_text(path.name + "\n")
+            sizes = "".join(f"{f.name} {f.stat().st_size}\n" for f in sorted(tmp.iterdir()) if f.is_file())
+            (tmp / "COMPLETE").write_text(path.name + "\n" + sizes)
             shareable(tmp)
             try:
                 os.replace(tmp, target)  # atomic; fails if another builder got there first
@@ -82,7 +93,21 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
             if (older_code or stale.name.startswith(".build-")) and \
                     time.time() - stale.stat().st_mtime > STALE_AFTER_S:
                 shutil.rmtree(stale, ignore_errors=True)
-    return target / done.read_text().strip()
+    return target / done.read_text().splitlines()[0]
+
+
+def _damage(target: Path) -> str | None:
+    """How a built cache entry differs from what its ``COMPLETE`` file recorded (each file's size in bytes, one
+    ``name size`` line per file after the model's name), or None if it does not. A file truncated or removed after
+    the build would otherwise be reported as a bad GGUF on every use, never rebuilt."""
+    for line in (target / "COMPLETE").read_text().splitlines()[1:]:
+        name, size = line.rsplit(" ", 1)
+        f = target / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != int(size):
+            return f"{name} is {f.stat().st_size} bytes, built as {size}"
+    return None
 
 
 def default_checkpoint() -> Path:

@@ -339,6 +339,36 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
     assert not list(root.glob(".build-*"))  # no temporary directory left behind
 
 
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, capsys):
+    """A cached file cut short or removed after its build (COMPLETE records each file's size) is rebuilt with a
+    one-line note, not reported as a broken GGUF on every use; an intact one is not touched."""
+    from glm5serve.cache import cached_checkpoint
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path))
+    first = cached_checkpoint("tiny", "bf16", split=2)
+    shard2 = first.with_name(first.name.replace("00001-of", "00002-of"))
+    sizes = {f: f.stat().st_size for f in (first, shard2)}
+    assert capsys.readouterr().err == ""
+    if damage == "truncate":
+        with open(shard2, "r+b") as f:
+            f.truncate(sizes[shard2] // 2)
+        said = f"{shard2.name} is {sizes[shard2] // 2} bytes, built as {sizes[shard2]}"
+    else:
+        shard2.unlink()
+        said = f"{shard2.name} is missing"
+    again = cached_checkpoint("tiny", "bf16", split=2)
+    err = capsys.readouterr().err
+    assert again == first and {f: f.stat().st_size for f in (first, shard2)} == sizes
+    assert err.count("\n") == 1 and f"cached checkpoint {first.parent} is damaged ({said}); rebuilding it" in err
+    from glm5serve.gguf_file import GGUFModel
+
+    assert len(GGUFModel(first).tensors) > 0  # the rebuilt set opens as a whole
+    stamp = first.stat().st_mtime_ns
+    assert cached_checkpoint("tiny", "bf16", split=2) == first and first.stat().st_mtime_ns == stamp
+    assert capsys.readouterr().err == ""
+
 @pytest.mark.slow
 def test_narrow_preset(narrow_checkpoint, subprocess_json):
     m = GGUFModel(narrow_checkpoint)
