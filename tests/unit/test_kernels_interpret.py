@@ -47,7 +47,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         start_in_background()  # no-op when conftest.py already started it
         proc, log = _run
         try:
-            rc = proc.wait(timeout=2400)  # a hang guard: the file took 996 s alone on a 2-core CI-like machine
+            rc = proc.wait(timeout=2400)  # a hang guard: the file takes about 1,050 s alone on a 2-core CI-like machine
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "timeout (2400 s)"
