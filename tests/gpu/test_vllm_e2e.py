@@ -378,7 +378,8 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
 
     A step that breaks a tier's rule still passes when the fp32 reference settles it (:func:`_reference_settles`):
     teacher forced on the history both engines share, with no router flip or with one flip of a near-tie within
-    ``flip_range`` (bf16's measured reach), it reproduces each engine within the tier's tolerance.
+    ``flip_range`` (bf16's measured reach), it reproduces each engine within the tier's tolerance; the tier then
+    goes on from the next step while the tokens agree (:func:`_tier`).
     """
     failures, rows, n_settled = [], [], 0
     for g in ("single", "batch3", "batch16"):
@@ -391,23 +392,20 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
                 moved = prompt_tie_sensitivity(ref_model, p, b["tokens"])
                 sensitive = [i for i, x in enumerate(moved.tolist()) if x > TOL_TIGHT / 2]
                 cut = min(tie[:1] + sensitive[:1] + [len(b["tokens"])])
-                tight = tolerance_rule(o["tokens"][:cut], o["logprobs"][:cut], b["tokens"][:cut], b["logprobs"][:cut],
-                                       TOL_TIGHT)
-                loose = tolerance_rule(o["tokens"], o["logprobs"], b["tokens"], b["logprobs"], TOL)
+                tight_gap, _, tight = _tier(ref_model, p, b, o, cut, TOL_TIGHT, flip_range)
+                gap, first_diff, loose = _tier(ref_model, p, b, o, len(b["tokens"]), TOL, flip_range)
                 rows.append({"group": g, "prompt_len": b["prompt_len"], "tight_steps": cut,
                              "first_near_tie": tie[0] if tie else None,
                              "first_prompt_tie_sensitive": sensitive[0] if sensitive else None,
-                             "tight_gap": round(tight.max_gap, 4), "gap": round(loose.max_gap, 4),
-                             "first_diff": loose.first_diff, "identical": o["tokens"] == b["tokens"]})
-                for a, tier, tol in ((tight, "before the first router near-tie", TOL_TIGHT),
-                                     (loose, "whole generation", TOL)):
-                    if not a.ok:
-                        settled, how = _reference_settles(ref_model, p, b, o, a.why, tol, flip_range)
-                        rows[-1].setdefault("reference", []).append(f"{tier}: {a.why}: {how}")
+                             "tight_gap": round(tight_gap, 4), "gap": round(gap, 4),
+                             "first_diff": first_diff, "identical": o["tokens"] == b["tokens"]})
+                for broken, tier in ((tight, "before the first router near-tie"), (loose, "whole generation")):
+                    for why, settled, how in broken:
+                        rows[-1].setdefault("reference", []).append(f"{tier}: {why}: {how}")
                         n_settled += settled
                         if not settled:
-                            seen = _reference_view(ref_model, p, b["tokens"], o["tokens"], a.why, m, moved)
-                            failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {a.why} [{how}; {seen}]")
+                            seen = _reference_view(ref_model, p, b["tokens"], o["tokens"], why, m, moved)
+                            failures.append(f"{g} prompt {b['prompt_len']} ({tier}): {why} [{how}; {seen}]")
     _summary(results_dir, name, {"backends": other["backends"], "gguf_kernels": other["gguf_kernels"],
                                  "tol_tight": TOL_TIGHT, "tol": TOL, "router_tau": ROUTER_TAU,
                                  "flip_range": round(flip_range, 5),
@@ -416,6 +414,30 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
                                  "max_gap": max(r["gap"] for r in rows), "identical": sum(r["identical"] for r in rows),
                                  "prompts": len(rows), "rows": rows})
     assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
+
+
+def _tier(ref_model, prompt: list[int], base: dict, other: dict, end: int, tol: float, flip_range: float
+          ) -> tuple[float, int | None, list[tuple[str, bool, str]]]:
+    """One tier of :func:`_close` over steps ``[0, end)``: ``tolerance_rule`` at ``tol``, every step that breaks it
+    put to the reference (:func:`_reference_settles`). After a settled logprob gap the rule goes on from the next
+    step (the tokens still agree); a token flip, settled or not, ends the comparison, as does an unsettled step.
+    Returns (largest chosen-token gap seen, first step whose tokens differ or None, [(why, settled, how)])."""
+    gap, start, broken = 0.0, 0, []
+    while True:
+        a = tolerance_rule(other["tokens"][start:end], other["logprobs"][start:end], base["tokens"][start:end],
+                           base["logprobs"][start:end], tol)
+        gap = max(gap, a.max_gap)
+        first_diff = None if a.first_diff is None else start + a.first_diff
+        if a.ok:
+            return gap, first_diff, broken
+        rel, rest = a.why.split(":", 1)
+        step = start + int(rel.split()[1])
+        why = f"step {step}:{rest}"
+        settled, how = _reference_settles(ref_model, prompt, base, other, why, tol, flip_range)
+        broken.append((why, settled, how))
+        if not settled or first_diff is not None:
+            return gap, first_diff, broken
+        start = step + 1
 
 
 def _reference_settles(ref_model, prompt: list[int], base: dict, other: dict, why: str, tol: float,
