@@ -330,6 +330,21 @@ else:
         assert (q.abs().amax(-1)[xd > 0] == 127).all() and xd[1, 1] == 0 and not xq[1, 32:64].any()
         assert torch.allclose(xs.double(), xb.sum(-1), rtol=1e-6, atol=1e-6)
 
+    def test_reference_rounding_emulation_is_the_kernels_rounding():
+        """``testing.activation_rounding.round_activations`` (the e2e test's emulation in the reference engine) is
+        bit for bit d * q of quantize_activations, per 32 and per 256, on bf16 and fp32 x with an all-zero block."""
+        from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
+        from glm5serve.testing.activation_rounding import round_activations
+
+        rng = np.random.default_rng(71)
+        x = torch.from_numpy((rng.standard_normal((3, 512)) * rng.uniform(0.01, 10, (3, 1))).astype(np.float32))
+        x[1, 256:] = 0
+        for dtype in (torch.bfloat16, torch.float32):
+            for block in (32, 256):
+                xq, xd, _ = quantize_activations(x.to(dtype), scale_block=block)
+                kernel = (xq.float().view(3, -1, block) * xd[..., None]).view(3, 512)
+                assert torch.equal(round_activations(x.to(dtype).float(), block), kernel), (dtype, block)
+
     def test_q8_activations_take_any_column_stride_and_reject_other_dtypes():
         """quantize_activations of a transposed view or a column slice is bit-identical to that of the same values
         made contiguous (the kernel reads rows side by side: such x is copied first); non-float or 1-D x raises."""

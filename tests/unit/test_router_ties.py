@@ -118,3 +118,63 @@ def test_settles_a_divergence_that_one_flip_reproduces_and_no_other(model):
     far[a0] -= 100.0
     assert max(abs(float(lp[a0] - lp0[a0])) for _, lp in entries) < 99  # so no single flip reaches that far
     assert not rt.settles(model, SEQ, _top5(lp0), a0, far, a0, 0.25, tau=1.0, max_flips=100)[0]
+
+
+def test_int8_activations_round_the_kernel_linears_only_and_restore(model):
+    """Inside ``int8_activations`` the reference's linears see rounded inputs, except the router's, the indexer
+    head's and kv_b_proj's; outside (also after an exception) nothing is rounded."""
+    from glm5serve import reference
+    from glm5serve.testing.activation_rounding import int8_activations, round_activations
+
+    i = rt.moe_layers(model)[0]
+    x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    gate, q_a = model._p(i, "mlp.gate.weight"), model._p(i, "self_attn.q_a_proj.weight")
+    with int8_activations(model, 32):
+        assert torch.equal(reference.F.linear(x, gate), torch.nn.functional.linear(x, gate))
+        rounded = reference.F.linear(x, q_a)
+        assert torch.equal(rounded, torch.nn.functional.linear(round_activations(x, 32), q_a))
+        assert not torch.equal(rounded, torch.nn.functional.linear(x, q_a))
+    assert reference.F is torch.nn.functional
+    with pytest.raises(RuntimeError), int8_activations(model, 256):
+        raise RuntimeError
+    assert reference.F is torch.nn.functional
+    assert torch.equal(rt.logprobs(model, IDS, rounding=None), rt.logprobs(model, IDS))
+    assert not torch.equal(rt.logprobs(model, IDS, rounding=32), rt.logprobs(model, IDS))
+
+
+def test_round_activations_bounds():
+    """Per block: |x - r| <= d / 2 with d = max|x| / 127, the block maximum kept (code ±127), an all-zero block
+    zero; K not a multiple of the block raises."""
+    from glm5serve.testing.activation_rounding import round_activations
+
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x[1, 256:] = 0
+    for block in (32, 256):
+        r = round_activations(x, block)
+        d = x.view(2, -1, block).abs().amax(-1, keepdim=True) / 127
+        err = (x - r).view(2, -1, block).abs()
+        assert (err <= d / 2 * (1 + 1e-6)).all() and (r != x).any()
+        k = x.view(2, -1, block).abs().argmax(-1, keepdim=True)
+        assert torch.allclose(r.view(2, -1, block).gather(-1, k), x.view(2, -1, block).gather(-1, k), rtol=1e-6)
+        assert not r[1, 256:].any()
+    with pytest.raises(ValueError, match="K=512 is not a multiple of block=96"):
+        round_activations(x, 96)
+
+
+def test_settles_a_gap_that_activation_rounding_reproduces_and_no_other(model):
+    """Two stand-in engines: the reference as it is and with its linears' inputs rounded per 32. A tolerance below
+    their gap is broken; the reference settles it when that rounding is a candidate and not otherwise; an engine
+    further off than any candidate is never settled."""
+    lp0, lp32 = rt.logprobs(model, SEQ)[-1], rt.logprobs(model, SEQ, rounding=32)[-1]
+    a0 = int(lp0.argmax())
+    gap = abs(float(lp32[a0] - lp0[a0]))
+    assert gap > 1e-3, gap
+    args = (model, SEQ, _top5(lp0), a0, _top5(lp32), int(lp32.argmax()), gap / 4)
+    ok, how = rt.settles(*args, tau=1e-9, max_flips=0, roundings=(None,))
+    assert not ok and "not settled" in how, how
+    ok, how = rt.settles(*args, tau=1e-9, max_flips=0, roundings=(None, 256, 32))
+    assert ok and "other: no flip, activations rounded per 32" in how and "baseline: no flip (" in how, how
+    far = _top5(lp0)
+    far[a0] -= 100.0
+    ok, how = rt.settles(model, SEQ, _top5(lp0), a0, far, a0, 0.25, tau=1.0, max_flips=100, roundings=(None, 32, 256))
+    assert not ok and "activations also rounded per 32/256" in how, how

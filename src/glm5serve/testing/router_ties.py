@@ -5,7 +5,8 @@ GLM-5 routes each token to the top-``k`` experts of ``sigmoid(x·W_gᵀ) + e_sco
 "noaux_tc"; transformers ``GlmMoeDsaTopkRouter``). Where the k-th and (k+1)-th scores are closer than a bf16 engine's
 rounding moves them, that engine may take the runner-up expert, and an unrelated expert moves the logits by up to
 nats. The functions here let a test ask the fp32 reference (:class:`glm5serve.reference.ReferenceModel`, teacher
-forced) what such a flip does, instead of guessing a tolerance. Single-group routers (``n_group == 1``) only.
+forced) what such a flip does, instead of guessing a tolerance; :func:`settles` also tries the decode kernels' int8
+activation rounding (:mod:`~glm5serve.testing.activation_rounding`). Single-group routers (``n_group == 1``) only.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from glm5serve.testing.activation_rounding import int8_activations
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,12 @@ def near_ties(model, ids: Sequence[int], tau: float, start: int = 0) -> list[Fli
     return sorted((Flip(layers[r], p, float(m[r, p])) for r, p in found if p >= start), key=lambda f: (f.pos, f.layer))
 
 
-def logprobs(model, ids: Sequence[int], flip: Flip | None = None) -> torch.Tensor:
+def logprobs(model, ids: Sequence[int], flip: Flip | None = None, rounding: int | None = None) -> torch.Tensor:
     """(T, vocab) fp32 log-softmax on the CPU of ``model`` over ``ids`` (T,), teacher forced, with ``flip`` applied
-    when given. Raises ValueError for a grouped router."""
-    logits = _forward_with(model, ids, None if flip is None else _flipped_router(model, flip))
+    when given and the linears' inputs rounded to int8 blocks of ``rounding`` values when given
+    (:func:`~glm5serve.testing.activation_rounding.int8_activations`). Raises ValueError for a grouped router."""
+    with int8_activations(model, rounding):
+        logits = _forward_with(model, ids, None if flip is None else _flipped_router(model, flip))
     return torch.log_softmax(logits.float(), -1).cpu()
 
 
@@ -122,32 +127,42 @@ def bf16_flip_range(model, model_bf16, sequences: Iterable[Sequence[int]]) -> fl
     return worst
 
 
-def last_step_under_flips(model, ids: Sequence[int], tau: float, max_flips: int = 32
+def last_step_under_flips(model, ids: Sequence[int], tau: float, max_flips: int = 32, rounding: int | None = None
                           ) -> list[tuple[Flip | None, torch.Tensor]]:
     """The (vocab,) fp32 log-softmax at the last position of ``ids`` (the next-token distribution), unflipped first
-    (flip None), then with each of the ``max_flips`` near-ties (margin < ``tau``, :func:`near_ties`) closest to the
-    end flipped, one at a time: one reference forward each. Flips are taken one at a time because together they
-    can cancel. Raises ValueError for a grouped router."""
+    (flip None), then with each of the ``max_flips`` near-ties (margin < ``tau``, :func:`near_ties`, of the unrounded
+    pass) closest to the end flipped, one at a time: one reference forward each, with the linears' inputs rounded
+    to int8 blocks of ``rounding`` values when given. Flips are taken one at a time because together they can
+    cancel. Raises ValueError for a grouped router."""
     flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
-    return [(f, logprobs(model, ids, f)[-1]) for f in [None, *flips]]
+    return [(f, logprobs(model, ids, f, rounding)[-1]) for f in [None, *flips]]
+
+
+def _candidate(flip: Flip | None, rounding: int | None) -> str:
+    """How the reference ran, in words: which flip, which activation rounding."""
+    where = "no flip" if flip is None else (f"a flip in layer {flip.layer} at position {flip.pos} "
+                                            f"(margin {flip.margin:.4f})")
+    return where + ("" if rounding is None else f", activations rounded per {rounding}")
 
 
 def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Mapping, other_token: int, tol: float,
-            tau: float, max_flips: int = 32) -> tuple[bool, str]:
+            tau: float, max_flips: int = 32, roundings: Sequence[int | None] = (None,)) -> tuple[bool, str]:
     """Whether the fp32 reference settles a step where two bf16 engines broke a tolerance rule: ``ids`` is the
     history both share (the step predicts the token after it), ``base``/``other`` each engine's ``{token: logprob}``
     there (its top-k and chosen token), ``base_token``/``other_token`` their greedy choices. Teacher forced on
-    ``ids``, with no flip or one flip of a near-tie (margin < ``tau``, :func:`last_step_under_flips`), the
-    reference must reproduce each engine within ``tol``:
+    ``ids``, with no flip or one flip of a near-tie (margin < ``tau``, :func:`last_step_under_flips`), the linears'
+    inputs as they are or rounded to int8 blocks (each entry of ``roundings``, None: not rounded), the reference must
+    reproduce each engine within ``tol``; the two engines may differ in rounding, and one of them may take the flip:
 
-    * same token t, logprobs too far apart: one of {unflipped, flipped} within ``tol`` of the baseline's logprob
-      of t, one within ``tol`` of the other engine's;
+    * same token t, logprobs too far apart: one candidate within ``tol`` of the baseline's logprob of t, one within
+      ``tol`` of the other engine's;
     * tokens a (baseline) and b (other): with ``q = lp(a) - lp(b)`` (each engine's q bounded from its top-k dict),
-      one reference q at least the baseline's minus 2·tol, one at most the other's plus 2·tol.
+      one candidate's q at least the baseline's minus 2·tol, one at most the other's plus 2·tol.
 
-    Each engine then differs from the (possibly flipped) reference by ``tol`` per logprob, so from the other engine
-    by one router near-tie and rounding. Returns (settled, one line saying what the reference gave)."""
-    entries = last_step_under_flips(model, ids, tau, max_flips)
+    The candidates for one flip f are the reference unflipped and with f, under each rounding. Each engine then
+    differs from the reference by ``tol`` per logprob, so from the other engine by one router near-tie, activation
+    rounding and bf16. Returns (settled, one line saying what the reference gave)."""
+    runs = {r: last_step_under_flips(model, ids, tau, max_flips, r) for r in roundings}
     lb, lo = ({int(t): float(v) for t, v in d.items()} for d in (base, other))
     ta, tb = int(base_token), int(other_token)
     if ta == tb:
@@ -162,14 +177,22 @@ def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Ma
         q_other = lo.get(ta, min(lo.values())) - lo[tb]  # at most this
         fits_base, fits_other = (lambda x: x >= q_base - 2 * tol), (lambda x: x <= q_other + 2 * tol)
         wanted = f"q = lp({ta}) - lp({tb}) >= {q_base - 2 * tol:.2f} (baseline) and <= {q_other + 2 * tol:.2f} (other)"
-    q0, furthest = value(entries[0][1]), None
-    for flip, lp in entries:
-        pair = (q0, value(lp))
-        if any(map(fits_base, pair)) and any(map(fits_other, pair)):
-            where = "no flip" if flip is None else (f"a flip in layer {flip.layer} at position {flip.pos} "
-                                                    f"(margin {flip.margin:.4f})")
-            return True, f"settled by the reference with {where}: q {q0:.2f} -> {pair[1]:.2f}; wanted {wanted}"
-        if furthest is None or abs(pair[1] - q0) > abs(furthest - q0):
-            furthest = pair[1]
-    return False, (f"not settled by the reference with <= 1 router flip ({len(entries) - 1} near-ties < {tau:.4f} "
-                   f"tried): q {q0:.2f}, furthest flipped {furthest:.2f}; wanted {wanted}")
+    vals = {r: [(f, value(lp)) for f, lp in entries] for r, entries in runs.items()}
+    q0 = vals.get(None, vals[roundings[0]])[0][1]  # the reference as it is
+    furthest = None
+    for j in range(len(vals[roundings[0]])):
+        cands = [(f, r, q) for r in roundings for f, q in {0: vals[r][0], j: vals[r][j]}.values()]
+        hit_b = next((c for c in cands if fits_base(c[2])), None)
+        hit_o = next((c for c in cands if fits_other(c[2])), None)
+        if hit_b and hit_o:
+            how = (f"baseline: {_candidate(*hit_b[:2])} (q {hit_b[2]:.2f}); other: {_candidate(*hit_o[:2])} "
+                   f"(q {hit_o[2]:.2f})")
+            return True, f"settled by the reference (q {q0:.2f} as it is), {how}; wanted {wanted}"
+        for _, _, q in cands:
+            if furthest is None or abs(q - q0) > abs(furthest - q0):
+                furthest = q
+    n = len(vals[roundings[0]]) - 1
+    rounded = [r for r in roundings if r is not None]
+    also = f", activations also rounded per {'/'.join(map(str, rounded))}" if rounded else ""
+    return False, (f"not settled by the reference with <= 1 router flip ({n} near-ties < {tau:.4f} tried{also}): "
+                   f"q {q0:.2f}, furthest {furthest:.2f}; wanted {wanted}")
