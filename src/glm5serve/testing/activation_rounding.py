@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 #: activation block sizes the kernels round with (elements per int8 scale)
 BLOCKS = (32, 256)
-#: reference weights whose linears no decode kernel runs: the router and the indexer head (F32 in the GGUF, matmuls
-#: in fp32), and kv_b_proj (vLLM splits it into bf16 W_UK / W_UV for MLA)
+#: reference weights whose linears are left unrounded: the router (F32 in the GGUF, no decode kernel runs it),
+#: kv_b_proj (vLLM splits it into bf16 W_UK / W_UV for MLA) and the indexer head (which the reference computes in
+#: fp32 as transformers does; up to index_topk keys its choice does not matter: every key is selected)
 UNROUNDED_SUFFIXES = ("mlp.gate.weight", "indexer.weights_proj.weight", "kv_b_proj.weight")
 
 
