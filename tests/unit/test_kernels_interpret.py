@@ -332,18 +332,24 @@ else:
 
     def test_reference_rounding_emulation_is_the_kernels_rounding():
         """``testing.activation_rounding.round_activations`` (the e2e test's emulation in the reference engine) is
-        bit for bit d * q of quantize_activations, per 32 and per 256, on bf16 and fp32 x with an all-zero block."""
+        bit for bit d * q of quantize_activations, per 32 and per 256: on bf16 and fp32 x of many scales (a scale
+        1 / amax an ulp off, as torch's ``127.0 / t`` computes it, moves ~4e-4 of bf16 codes), with an all-zero
+        block, and on integers whose block maximum is 254, where every odd value is a tie (half up, not to even)."""
         from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
         from glm5serve.testing.activation_rounding import round_activations
 
+        def kernel(x, block):
+            xq, xd, _ = quantize_activations(x, scale_block=block)
+            return (xq.float().view(x.shape[0], -1, block) * xd[..., None]).view(x.shape)
+
         rng = np.random.default_rng(71)
-        x = torch.from_numpy((rng.standard_normal((3, 512)) * rng.uniform(0.01, 10, (3, 1))).astype(np.float32))
+        x = torch.from_numpy((rng.standard_normal((64, 512)) * rng.uniform(0.01, 10, (64, 1))).astype(np.float32))
         x[1, 256:] = 0
-        for dtype in (torch.bfloat16, torch.float32):
+        ties = torch.from_numpy(rng.integers(-253, 254, (8, 512)).astype(np.float32))
+        ties[:, ::32] = 254.0
+        for data in (x.to(torch.bfloat16), x, ties):
             for block in (32, 256):
-                xq, xd, _ = quantize_activations(x.to(dtype), scale_block=block)
-                kernel = (xq.float().view(3, -1, block) * xd[..., None]).view(3, 512)
-                assert torch.equal(round_activations(x.to(dtype).float(), block), kernel), (dtype, block)
+                assert torch.equal(round_activations(data.float(), block), kernel(data, block)), (data.dtype, block)
 
     def test_q8_activations_take_any_column_stride_and_reject_other_dtypes():
         """quantize_activations of a transposed view or a column slice is bit-identical to that of the same values

@@ -93,8 +93,9 @@ MAX_BLOCK_M = 8  # activation rows per program; 16 (4 blocks per step spill, 2 d
 
 @triton.jit
 def _int8_codes(x, amax):
-    """llama.cpp's ``quantize_row_q8_1`` rounding (ggml-quants.c): codes floor(x * 127 / amax + 0.5) as int32, with
-    |codes| <= 127 (x * 127 / amax rounds to at most 127.00001); 0 where amax == 0.  amax broadcasts against x."""
+    """Codes floor(x * (127 / amax) + 0.5) as int32 (round half up; llama.cpp's ``quantize_row_q8_1`` in
+    ggml-quants.c rounds half away from zero, with an fp16 scale), with |codes| <= 127 (x * 127 / amax rounds to at
+    most 127.00001); 0 where amax == 0.  amax broadcasts against x."""
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     return tl.floor(x * inv + 0.5).to(tl.int32)
 
@@ -547,8 +548,8 @@ def _gemv_q8_kernel(xw_ptr, xd_ptr, xs_ptr, xi_ptr, w_ptr, y_ptr, part_ptr, coun
 
 def quantize_activations(x: torch.Tensor, sums16: bool = False, pdl: bool = False, scale_block: int = QK8):
     """x (M, K) bf16/fp16/fp32, K a multiple of 32 -> (int8 codes (M, K), fp32 scales d (M, K/32), fp32 exact block
-    sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp
-    ``quantize_q8_1``, round half up).  ``scale_block=256``: one scale per 256 values, d (M, K/256) (llama.cpp's
+    sums (M, K/32)); x[m, 32b + i] ~= d[m, b] * codes[m, 32b + i] with error <= d[m, b] / 2 (llama.cpp's
+    ``quantize_q8_1`` blocks, rounding half up).  ``scale_block=256``: one scale per 256 values, d (M, K/256) (llama.cpp's
     ``Q8_K`` blocks; K a multiple of 256), the sums still per 32.  ``sums16``: a fourth tensor, int32 (M, K/16), the
     sum of the codes of each 16 consecutive values (Q6_K's ``- 32`` offset per 16-weight sub-block).  ``pdl``:
     launched with programmatic dependent launch (where ``pdl_value`` allows it), for a GEMV that itself waits in

@@ -1,18 +1,22 @@
 """The int8 activation rounding of glm5serve's GGUF decode kernels, emulated in the reference engine.
 
-At decode batch sizes the kernels round each linear's input to int8 before the integer dot products, as llama.cpp's
-MMVQ does: blocks of 32 values (``gguf_gemv_q8``, the split-row dp4a path; llama.cpp ``quantize_row_q8_1``) or of
-256 (``gguf_mma``, Q6_K rows; llama.cpp ``Q8_K``), code ``floor(x / d + 0.5)`` with ``d = max|x| / 127``. Which
-block a layer gets depends on its type and on how many rows are in the batch, so two bf16 engines running the same
-kernels see different roundings, and a value near a code boundary turns a bf16-sized difference upstream into a
-whole int8 step. At the steps where two engines of the H100 e2e run (session 37, narrow ud-q4_k_xl) were furthest
-apart, this rounding moved the fp32 reference's logprobs by tenths of a nat, where computing in bf16 moved them by
-0.02-0.04.
+At decode batch sizes some of the kernels round a linear's input to int8 before the integer dot products, in the
+manner of llama.cpp's MMVQ: blocks of 32 values (``gguf_gemv_q8`` for Q4_K/Q5_K/Q6_K at 2-8 rows and for Q4_K/Q5_K
+weights of >= 4 MiB at one row, the split-row dp4a path) or of 256 (``gguf_mma`` at 3-16 rows, Q6_K rows), with
+``d = max|x| / 127`` in fp32 and codes ``floor(x / d + 0.5)`` (the kernels' ``quantize_activations``; llama.cpp's
+``quantize_row_q8_1`` rounds half away from zero and keeps d in fp16). Which rounding a layer gets depends on its
+type and on how many rows are in the batch, so two bf16 engines running the same kernels round differently, and a
+value near a code boundary turns a bf16-sized difference upstream into a whole int8 step. At the steps where two
+engines of the H100 e2e run (session 37, narrow ud-q4_k_xl) were furthest apart, this rounding moved the fp32
+reference's logprobs by tenths of a nat, where computing in bf16 moved them by 0.02-0.08.
 
 :func:`int8_activations` lets a test ask the fp32 reference what that rounding does at a step, as
-:mod:`~glm5serve.testing.router_ties` asks what a router near-tie flip does. It is a sample of the rounding, not a
-replica of one engine: it rounds the whole input of every linear the kernels run (the Q4_K/Q5_K kernels keep the
-exact block sums for the min term), with one block size for all of them.
+:mod:`~glm5serve.testing.router_ties` asks what a router near-tie flip does. It is a sample of the rounding's
+effect, not a replica of one engine, and it rounds more than any engine does: every position (prefill included,
+which the engines compute unrounded beyond 16 tokens), every linear a kernel may run, whatever the batch size, and
+the whole input (the Q4_K/Q5_K kernels keep the exact block sums for the min term). A tiny change upstream (fp32
+summation order: CPU against GPU) can move a rounded result by a code step, so two runs of it differ at sensitive
+steps.
 """
 from __future__ import annotations
 
@@ -32,15 +36,21 @@ UNROUNDED_SUFFIXES = ("mlp.gate.weight", "indexer.weights_proj.weight", "kv_b_pr
 
 def round_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x`` (..., K) rounded as the kernels' ``quantize_activations`` rounds it, returned dequantized in x's dtype:
-    per ``block`` consecutive values along the last dim, ``d = max|x| / 127`` (fp32) and codes ``floor(x / d +
-    0.5)`` (llama.cpp ``quantize_row_q8_1`` in ggml-quants.c; 0 where the block is all zero). So ``|x - result| <=
-    d / 2`` per value, plus x's own rounding of the result. Raises ValueError if K is not a multiple of ``block``."""
+    per ``block`` consecutive values along the last dim, in fp32, ``codes = floor(x * (127 / max|x|) + 0.5)`` and
+    ``d = max|x| / 127`` (0 where the block is all zero; ``gguf_gemv_q8._int8_codes``). So ``|x - result| <= d / 2``
+    per value, plus x's own rounding of the result. Bit for bit the kernel's under Triton's interpreter (IEEE
+    division); compiled, Triton divides fp32 with ``div.full.f32``, which is not always correctly rounded, so a code
+    at a tie may differ there. Raises ValueError if ``block`` is not a positive int or K not a multiple of it."""
     K = x.shape[-1]
-    if block < 1 or K % block:
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"round_activations: block={block!r} must be a positive int")
+    if K % block:
         raise ValueError(f"round_activations: K={K} is not a multiple of block={block}")
     b = x.float().reshape(*x.shape[:-1], K // block, block)
     amax = b.abs().amax(-1, keepdim=True)
-    codes = torch.floor(b * torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0) + 0.5)
+    # a true fp32 division, as the kernel's: torch computes ``127.0 / t`` as 127 * (1 / t), an ulp off at times
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    codes = torch.floor(b * inv + 0.5)
     return (codes * (amax / 127.0)).reshape(x.shape).to(x.dtype)
 
 
@@ -62,17 +72,29 @@ class _RoundingFunctional:
 @contextmanager
 def int8_activations(model, block: int | None) -> Iterator[None]:
     """Within the block, every linear of the reference engine ``model`` (:class:`glm5serve.reference.ReferenceModel`)
-    whose weight a GGUF decode kernel would run takes its input through :func:`round_activations` at ``block``
-    values per scale; the router, the indexer head and kv_b_proj (:data:`UNROUNDED_SUFFIXES`) do not. ``block``
-    None: no change. Swaps ``glm5serve.reference.F`` for the duration, so not for concurrent use of the reference."""
+    whose weight a GGUF decode kernel may run takes its input through :func:`round_activations` at ``block`` values
+    per scale (a linear whose input length is not a multiple of ``block`` is left as it is); the router, the indexer
+    head and kv_b_proj (:data:`UNROUNDED_SUFFIXES`) are not rounded. ``block`` None: no change. Swaps
+    ``glm5serve.reference.F`` for the duration, so not for concurrent use of the reference.
+
+    Raises ValueError for a ``block`` not in :data:`BLOCKS`, or where one of the unrounded weights is narrower than
+    fp32: those are told apart by storage, and the reference passes ``upcast(w)`` (a copy for a narrower w) to
+    ``F.linear``; :meth:`ReferenceModel.from_gguf` keeps them in fp32 whatever the dtype."""
     if block is None:
         yield
         return
+    if block not in BLOCKS:
+        raise ValueError(f"int8_activations: block={block!r}, expected one of {BLOCKS} or None")
     from glm5serve import reference
 
-    skip = {t.data_ptr() for name, t in model.w.items() if name.endswith(UNROUNDED_SUFFIXES)}
+    kept = {name: t for name, t in model.w.items() if name.endswith(UNROUNDED_SUFFIXES)}
+    narrow = [name for name, t in kept.items() if reference.upcast(t).data_ptr() != t.data_ptr()]
+    if narrow:
+        raise ValueError(f"int8_activations: {narrow[0]} is {kept[narrow[0]].dtype}; the unrounded weights must be "
+                         "fp32 or wider (as from_gguf loads them)")
+    skip = {t.data_ptr() for t in kept.values()}
     saved = reference.F
-    reference.F = _RoundingFunctional(int(block), skip)
+    reference.F = _RoundingFunctional(block, skip)
     try:
         yield
     finally:
