@@ -50,14 +50,15 @@ ROUTER_TAU = 0.005
 # the torch.compile engine differed between runs, the other engines did not); in CUSTOM-vs-vLLM-MLA (both runs),
 # batch3's 40-token prompt at step 2, a flip at baseline margin 0.75 that no single router flip reproduces
 # (q 0.77 -> 0.53 at best, 0.50 wanted; two flips, at margins 0.020 and 0.017, give 0.33). Session 37 (H100):
-# * the engines round each linear's input to int8 (per 32 or 256, by type and batch size). Emulated in the fp32
-#   reference (``testing.activation_rounding``), that rounding moves such steps by tenths of a nat, at times by
-#   nats (q -1.26 -> 2.77 at batch16 prompt 189 step 2, on the GPU), where bf16 moves them by 0.02-0.04; the
-#   reference now tries it. With it, an H100 run passed (compile-vs-eager: 4 steps settled; CUSTOM: 2); the eager
-#   gap at prompt 700 step 11 was settled at the edge (a flip at margin 0.061 plus rounding per 32: -0.65 for
-#   eager's -0.90, 0.25 wanted). The rounded reference is itself a sample: on the CPU that candidate gives -0.54,
-#   and per 256 at batch3 prompt 40 step 2, q -0.14 on the CPU against 0.45 on the GPU (a code boundary turns fp32
-#   summation order into an int8 step), so that step may fail on another run;
+# * the decode kernels round most linears' inputs to int8 at decode batch sizes (per 32 or 256, by type and batch
+#   size). Emulated in the fp32 reference (``testing.activation_rounding``, which rounds more than any engine),
+#   that rounding moves such steps by tenths of a nat, at times by nats (q -1.26 -> 2.77 at batch16 prompt 189
+#   step 2, on the GPU), where bf16 moves them by 0.02-0.08; the reference now tries it. With it, an H100 run
+#   passed (compile-vs-eager: 4 steps settled; CUSTOM: 2); the eager gap at prompt 700 step 11 was settled at the
+#   edge (a flip at margin 0.061 plus rounding per 32: -0.65 for eager's -0.90, 0.25 wanted). The rounded
+#   reference is itself a sample: on the CPU that candidate gives -0.54, and per 256 at batch3 prompt 40 step 2,
+#   q -0.14 on the CPU against 0.45 on the GPU (a code boundary turns fp32 summation order into an int8 step), so
+#   that step may fail on another run;
 # * the torch.compile engine is not deterministic on the H100: over three runs, 4-5 steps of two runs are more
 #   than TOL_TIGHT apart and tokens differ in 11-17 of 27 prompts, so TOL_TIGHT cannot hold against eager there
 #   without the reference; eager, graphs and CUSTOM were bit-identical across the runs;
@@ -394,7 +395,7 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
     A step that breaks a tier's rule still passes when the fp32 reference settles it (:func:`_reference_settles`):
     teacher forced on the history both engines share, with no router flip or with one flip of a near-tie within
     ``flip_range`` (bf16's measured reach), and its linears' inputs as they are or rounded to int8 as the decode
-    kernels round them, it reproduces each engine within the tier's tolerance; the tier then goes on from the next
+    kernels may round them, it reproduces each engine within the tier's tolerance; the tier then goes on from the next
     step while the tokens agree (:func:`_tier`).
     """
     failures, rows, n_settled = [], [], 0
@@ -460,8 +461,9 @@ def _reference_settles(ref_model, prompt: list[int], base: dict, other: dict, wh
                        flip_range: float) -> tuple[bool, str]:
     """:func:`router_ties.settles` at the step where a tolerance rule broke (``why`` starts "step N:"): teacher
     forced on the tokens both engines share before N, the MAX_PROMPT_FLIPS near-ties below ``flip_range`` closest
-    to step N tried one at a time, with the linears' inputs as they are and rounded as the decode kernels round
-    them (int8 per 32 and per 256: ``testing.activation_rounding``). Returns (settled, what the reference gave)."""
+    to step N tried one at a time, with the linears' inputs as they are and rounded to int8 per 32 and per 256 as
+    the decode kernels may round them (a sample of that rounding: ``testing.activation_rounding``). Returns
+    (settled, what the reference gave)."""
     step = int(why.split(":")[0].split()[1])
     return settles(ref_model, list(prompt) + list(base["tokens"][:step]), base["logprobs"][step],
                    base["tokens"][step], other["logprobs"][step], other["tokens"][step], tol, flip_range,

@@ -120,26 +120,58 @@ def test_settles_a_divergence_that_one_flip_reproduces_and_no_other(model):
     assert not rt.settles(model, SEQ, _top5(lp0), a0, far, a0, 0.25, tau=1.0, max_flips=100)[0]
 
 
-def test_int8_activations_round_the_kernel_linears_only_and_restore(model):
-    """Inside ``int8_activations`` the reference's linears see rounded inputs, except the router's, the indexer
-    head's and kv_b_proj's; outside (also after an exception) nothing is rounded."""
-    from glm5serve import reference
-    from glm5serve.testing.activation_rounding import int8_activations, round_activations
+def _on_grid(x: torch.Tensor, block: int) -> bool:
+    """Whether every block of x (..., K) is d * integers with d = max|x| / 127, as round_activations leaves it."""
+    b = x.double().reshape(*x.shape[:-1], -1, block)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    u = b / torch.where(d > 0, d, 1)
+    return bool(((u - u.round()).abs() < 1e-3).all())
 
-    i = rt.moe_layers(model)[0]
-    x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    gate, q_a = model._p(i, "mlp.gate.weight"), model._p(i, "self_attn.q_a_proj.weight")
+
+def test_int8_activations_round_the_kernel_linears_only_and_restore(model, monkeypatch):
+    """Over a whole forward inside ``int8_activations``, every named weight's linear sees inputs on the int8 grid
+    except the router's, the indexer head's and kv_b_proj's, which see them as computed; outside (also after an
+    exception) nothing is rounded; a bad block, or an unrounded weight narrower than fp32, is refused."""
+    from glm5serve import reference
+    from glm5serve.testing.activation_rounding import UNROUNDED_SUFFIXES, int8_activations
+
+    names = {t.data_ptr(): n for n, t in model.w.items()}
+    seen: dict[str, list[torch.Tensor]] = {}
+    plain = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        if w.data_ptr() in names:
+            seen.setdefault(names[w.data_ptr()], []).append(x.detach().clone())
+        return plain(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
     with int8_activations(model, 32):
-        assert torch.equal(reference.F.linear(x, gate), torch.nn.functional.linear(x, gate))
-        rounded = reference.F.linear(x, q_a)
-        assert torch.equal(rounded, torch.nn.functional.linear(round_activations(x, 32), q_a))
-        assert not torch.equal(rounded, torch.nn.functional.linear(x, q_a))
+        rt.logprobs(model, IDS)
+    kept = {n for n in seen if n.endswith(UNROUNDED_SUFFIXES)}
+    assert {s.split(".")[-2] for s in kept} == {"gate", "weights_proj", "kv_b_proj"}, kept
+    for n, xs in seen.items():
+        on = [_on_grid(x, 32) for x in xs if x.shape[-1] % 32 == 0]
+        assert on, n
+        assert (not any(on)) if n in kept else all(on), (n, on)
+    assert {n.split(".")[-2] for n in seen} >= {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "lm_head"}
+    monkeypatch.undo()
     assert reference.F is torch.nn.functional
     with pytest.raises(RuntimeError), int8_activations(model, 256):
         raise RuntimeError
     assert reference.F is torch.nn.functional
     assert torch.equal(rt.logprobs(model, IDS, rounding=None), rt.logprobs(model, IDS))
     assert not torch.equal(rt.logprobs(model, IDS, rounding=32), rt.logprobs(model, IDS))
+    with pytest.raises(ValueError, match="block=64, expected one of"), int8_activations(model, 64):
+        pass
+    gate = next(n for n in model.w if n.endswith("mlp.gate.weight"))
+    saved = model.w[gate]
+    model.w[gate] = saved.bfloat16()
+    try:
+        with pytest.raises(ValueError, match=f"{gate} is torch.bfloat16; the unrounded weights must be fp32"):
+            with int8_activations(model, 32):
+                pass
+    finally:
+        model.w[gate] = saved
 
 
 def test_round_activations_bounds():
@@ -178,3 +210,34 @@ def test_settles_a_gap_that_activation_rounding_reproduces_and_no_other(model):
     far[a0] -= 100.0
     ok, how = rt.settles(model, SEQ, _top5(lp0), a0, far, a0, 0.25, tau=1.0, max_flips=100, roundings=(None, 32, 256))
     assert not ok and "activations also rounded per 32/256" in how, how
+
+
+def test_settles_a_flip_taken_together_with_rounding_for_either_engine(model):
+    """A stand-in engine that takes one near-tie flip *and* rounds its activations per 32, against the reference as
+    it is: settled with that flip and that rounding among the candidates, whichever engine is the baseline (the
+    message names the flip and the rounding for that engine); not settled by rounding alone or with no
+    candidates but the unflipped reference; no roundings at all is refused."""
+    flips = rt.near_ties(model, SEQ, 1.0)[-100:]
+    plain = rt.last_step_under_flips(model, SEQ, 1.0, flips=flips)
+    rounded = rt.last_step_under_flips(model, SEQ, 1.0, rounding=32, flips=flips)
+    lp0, r0 = plain[0][1], rounded[0][1]
+    a0 = int(lp0.argmax())
+
+    def apart(k):  # how far the flip-and-round candidate k is from the unflipped ones and from its flip alone
+        v = float(rounded[k][1][a0])
+        return min(abs(v - float(lp0[a0])), abs(v - float(r0[a0])), abs(v - float(plain[k][1][a0])))
+
+    k = max((k for k in range(1, len(plain)) if int(rounded[k][1].argmax()) == a0), key=apart)
+    flip, lpk = plain[k][0], rounded[k][1]
+    tol = apart(k) / 3
+    assert tol > 0.01, tol
+    for base, other, who in ((lp0, lpk, "other"), (lpk, lp0, "baseline")):
+        args = (model, SEQ, _top5(base), a0, _top5(other), a0, tol)
+        ok, how = rt.settles(*args, tau=flip.margin * 1.001, max_flips=len(plain) - k, roundings=(None, 32))
+        assert ok and f"{who}: a flip in layer {flip.layer} at position {flip.pos}" in how, how
+        assert f"{who}: a flip in layer {flip.layer} at position {flip.pos} (margin {flip.margin:.4f}), " \
+               "activations rounded per 32" in how, how
+        ok, how = rt.settles(*args, tau=flip.margin * 1.001, max_flips=0, roundings=(None, 32))
+        assert not ok, how
+    with pytest.raises(ValueError, match="roundings must hold at least one entry"):
+        rt.settles(model, SEQ, _top5(lp0), a0, _top5(lp0), a0, 0.1, tau=1.0, roundings=())

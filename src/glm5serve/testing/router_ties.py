@@ -127,14 +127,15 @@ def bf16_flip_range(model, model_bf16, sequences: Iterable[Sequence[int]]) -> fl
     return worst
 
 
-def last_step_under_flips(model, ids: Sequence[int], tau: float, max_flips: int = 32, rounding: int | None = None
-                          ) -> list[tuple[Flip | None, torch.Tensor]]:
+def last_step_under_flips(model, ids: Sequence[int], tau: float, max_flips: int = 32, rounding: int | None = None,
+                          flips: Sequence[Flip] | None = None) -> list[tuple[Flip | None, torch.Tensor]]:
     """The (vocab,) fp32 log-softmax at the last position of ``ids`` (the next-token distribution), unflipped first
     (flip None), then with each of the ``max_flips`` near-ties (margin < ``tau``, :func:`near_ties`, of the unrounded
-    pass) closest to the end flipped, one at a time: one reference forward each, with the linears' inputs rounded
-    to int8 blocks of ``rounding`` values when given. Flips are taken one at a time because together they can
-    cancel. Raises ValueError for a grouped router."""
-    flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
+    pass; or the given ``flips``) closest to the end flipped, one at a time: one reference forward each, with the
+    linears' inputs rounded to int8 blocks of ``rounding`` values when given. Flips are taken one at a time because
+    together they can cancel. Raises ValueError for a grouped router."""
+    if flips is None:
+        flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
     return [(f, logprobs(model, ids, f, rounding)[-1]) for f in [None, *flips]]
 
 
@@ -152,25 +153,35 @@ def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Ma
     there (its top-k and chosen token), ``base_token``/``other_token`` their greedy choices. Teacher forced on
     ``ids``, with no flip or one flip of a near-tie (margin < ``tau``, :func:`last_step_under_flips`), the linears'
     inputs as they are or rounded to int8 blocks (each entry of ``roundings``, None: not rounded), the reference must
-    reproduce each engine within ``tol``; the two engines may differ in rounding, and one of them may take the flip:
+    reproduce each engine within ``tol``; the two engines may differ in rounding, and either or both may take the
+    flip:
 
     * same token t, logprobs too far apart: one candidate within ``tol`` of the baseline's logprob of t, one within
       ``tol`` of the other engine's;
     * tokens a (baseline) and b (other): with ``q = lp(a) - lp(b)`` (each engine's q bounded from its top-k dict),
       one candidate's q at least the baseline's minus 2·tol, one at most the other's plus 2·tol.
 
-    The candidates for one flip f are the reference unflipped and with f, under each rounding. Each engine then
-    differs from the reference by ``tol`` per logprob, so from the other engine by one router near-tie, activation
-    rounding and bf16. Returns (settled, one line saying what the reference gave)."""
-    runs = {r: last_step_under_flips(model, ids, tau, max_flips, r) for r in roundings}
+    The candidates for one flip f are the reference unflipped and with f, under each rounding; the near-ties come
+    from the unrounded pass, and a rounded pass carries whatever expert choices the rounding itself moves (a flip
+    then swaps that pass's k-th and (k+1)-th experts). Each engine then differs from the reference by ``tol`` per
+    logprob, so from the other engine by one router near-tie, activation rounding and bf16. Returns (settled, one
+    line saying what the reference gave). Raises ValueError for empty ``roundings`` or a grouped router."""
+    if not roundings:
+        raise ValueError("settles: roundings must hold at least one entry (None: not rounded)")
+    flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
+    runs = {r: last_step_under_flips(model, ids, tau, rounding=r, flips=flips) for r in roundings}
     lb, lo = ({int(t): float(v) for t, v in d.items()} for d in (base, other))
     ta, tb = int(base_token), int(other_token)
     if ta == tb:
+        name = f"lp({ta})"
+
         def value(lp):
             return float(lp[ta])
         fits_base, fits_other = (lambda x: abs(x - lb[ta]) <= tol), (lambda x: abs(x - lo[ta]) <= tol)
         wanted = f"lp({ta}) {lb[ta]:.2f} (baseline) and {lo[ta]:.2f} (other) within {tol}"
     else:
+        name = "q"
+
         def value(lp):
             return float(lp[ta] - lp[tb])
         q_base = lb[ta] - lb.get(tb, min(lb.values()))   # at least this: b may be below the baseline's top-k
@@ -178,21 +189,23 @@ def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Ma
         fits_base, fits_other = (lambda x: x >= q_base - 2 * tol), (lambda x: x <= q_other + 2 * tol)
         wanted = f"q = lp({ta}) - lp({tb}) >= {q_base - 2 * tol:.2f} (baseline) and <= {q_other + 2 * tol:.2f} (other)"
     vals = {r: [(f, value(lp)) for f, lp in entries] for r, entries in runs.items()}
-    q0 = vals.get(None, vals[roundings[0]])[0][1]  # the reference as it is
+    first = None if None in vals else roundings[0]
+    q0 = vals[first][0][1]
     furthest = None
-    for j in range(len(vals[roundings[0]])):
+    for j in range(len(flips) + 1):
         cands = [(f, r, q) for r in roundings for f, q in {0: vals[r][0], j: vals[r][j]}.values()]
         hit_b = next((c for c in cands if fits_base(c[2])), None)
         hit_o = next((c for c in cands if fits_other(c[2])), None)
         if hit_b and hit_o:
-            how = (f"baseline: {_candidate(*hit_b[:2])} (q {hit_b[2]:.2f}); other: {_candidate(*hit_o[:2])} "
-                   f"(q {hit_o[2]:.2f})")
-            return True, f"settled by the reference (q {q0:.2f} as it is), {how}; wanted {wanted}"
-        for _, _, q in cands:
-            if furthest is None or abs(q - q0) > abs(furthest - q0):
-                furthest = q
-    n = len(vals[roundings[0]]) - 1
+            how = (f"baseline: {_candidate(*hit_b[:2])} ({name} {hit_b[2]:.2f}); other: {_candidate(*hit_o[:2])} "
+                   f"({name} {hit_o[2]:.2f})")
+            return True, (f"settled by the reference ({name} {q0:.2f} with {_candidate(None, first)}), {how}; "
+                          f"wanted {wanted}")
+        for c in cands:
+            if furthest is None or abs(c[2] - q0) > abs(furthest[2] - q0):
+                furthest = c
     rounded = [r for r in roundings if r is not None]
     also = f", activations also rounded per {'/'.join(map(str, rounded))}" if rounded else ""
-    return False, (f"not settled by the reference with <= 1 router flip ({n} near-ties < {tau:.4f} tried{also}): "
-                   f"q {q0:.2f}, furthest {furthest:.2f}; wanted {wanted}")
+    return False, (f"not settled by the reference with <= 1 router flip ({len(flips)} near-ties < {tau:.4f} tried"
+                   f"{also}): {name} {q0:.2f} with {_candidate(None, first)}, furthest {furthest[2]:.2f} with "
+                   f"{_candidate(*furthest[:2])}; wanted {wanted}")
