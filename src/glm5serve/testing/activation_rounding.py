@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -92,10 +93,5 @@ def int8_activations(model, block: int | None) -> Iterator[None]:
     if narrow:
         raise ValueError(f"int8_activations: {narrow[0]} is {kept[narrow[0]].dtype}; the unrounded weights must be "
                          "fp32 or wider (as from_gguf loads them)")
-    skip = {t.data_ptr() for t in kept.values()}
-    saved = reference.F
-    reference.F = _RoundingFunctional(block, skip)
-    try:
+    with mock.patch.object(reference, "F", _RoundingFunctional(block, skip={t.data_ptr() for t in kept.values()})):
         yield
-    finally:
-        reference.F = saved
