@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5serve.testing.activation_rounding import BLOCKS as ACTIVATION_BLOCKS
+from glm5serve.testing.activation_rounding import BLOCKS as ACTIVATION_BLOCKS, rounded_in_prefill
 from glm5serve.testing.logprobs import bit_identical, tolerance_rule, top_k_rule
 from glm5serve.testing.router_ties import logprobs, near_ties, settles, topk_margins
 
@@ -394,8 +394,9 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
 
     A step that breaks a tier's rule still passes when the fp32 reference settles it (:func:`_reference_settles`):
     teacher forced on the history both engines share, with no router flip or with one flip of a near-tie within
-    ``flip_range`` (bf16's measured reach), and its linears' inputs as they are or rounded to int8 as the decode
-    kernels may round them, it reproduces each engine within the tier's tolerance; the tier then goes on from the next
+    ``flip_range`` (bf16's measured reach), and its linears' inputs as they are or rounded to int8 where the decode
+    kernels may round them (the generated positions; in the prefill what a step of the batch's prompt tokens
+    rounds), it reproduces each engine within the tier's tolerance; the tier then goes on from the next
     step while the tokens agree (:func:`_tier`).
     """
     failures, rows, n_settled = [], [], 0
@@ -409,8 +410,9 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
                 moved = prompt_tie_sensitivity(ref_model, p, b["tokens"])
                 sensitive = [i for i, x in enumerate(moved.tolist()) if x > TOL_TIGHT / 2]
                 cut = min(tie[:1] + sensitive[:1] + [len(b["tokens"])])
-                tight_gap, _, tight = _tier(ref_model, p, b, o, cut, TOL_TIGHT, flip_range)
-                gap, first_diff, loose = _tier(ref_model, p, b, o, len(b["tokens"]), TOL, flip_range)
+                prefill = sum(map(len, pp))  # the batch's prompts share one engine step (one chunk)
+                tight_gap, _, tight = _tier(ref_model, p, b, o, cut, TOL_TIGHT, flip_range, prefill)
+                gap, first_diff, loose = _tier(ref_model, p, b, o, len(b["tokens"]), TOL, flip_range, prefill)
                 rows.append({"group": g, "prompt_len": b["prompt_len"], "tight_steps": cut,
                              "first_near_tie": tie[0] if tie else None,
                              "first_prompt_tie_sensitive": sensitive[0] if sensitive else None,
@@ -433,10 +435,10 @@ def _close(base: dict, other: dict, results_dir: Path, name: str, ref_model, fli
     assert not failures, "\n".join(failures)  # a list would be cut to 240 characters
 
 
-def _tier(ref_model, prompt: list[int], base: dict, other: dict, end: int, tol: float, flip_range: float
-          ) -> tuple[float, int | None, list[tuple[str, bool, str]]]:
+def _tier(ref_model, prompt: list[int], base: dict, other: dict, end: int, tol: float, flip_range: float,
+          prefill: int) -> tuple[float, int | None, list[tuple[str, bool, str]]]:
     """One tier of :func:`_close` over steps ``[0, end)``: ``tolerance_rule`` at ``tol``, every step that breaks it
-    put to the reference (:func:`_reference_settles`). After a settled logprob gap the rule goes on from the next
+    put to the reference (:func:`_reference_settles`; ``prefill``: the prompt tokens of the engine's batch). After a settled logprob gap the rule goes on from the next
     step (the tokens still agree); a token flip, settled or not, ends the comparison, as does an unsettled step.
     Returns (largest chosen-token gap seen, first step whose tokens differ or None, [(why, settled, how)])."""
     gap, start, broken = 0.0, 0, []
@@ -450,7 +452,7 @@ def _tier(ref_model, prompt: list[int], base: dict, other: dict, end: int, tol: 
         rel, rest = a.why.split(":", 1)
         step = start + int(rel.split()[1])
         why = f"step {step}:{rest}"
-        settled, how = _reference_settles(ref_model, prompt, base, other, why, tol, flip_range)
+        settled, how = _reference_settles(ref_model, prompt, base, other, why, tol, flip_range, prefill)
         broken.append((why, settled, how))
         if not settled or first_diff is not None:
             return gap, first_diff, broken
@@ -458,16 +460,19 @@ def _tier(ref_model, prompt: list[int], base: dict, other: dict, end: int, tol: 
 
 
 def _reference_settles(ref_model, prompt: list[int], base: dict, other: dict, why: str, tol: float,
-                       flip_range: float) -> tuple[bool, str]:
+                       flip_range: float, prefill: int) -> tuple[bool, str]:
     """:func:`router_ties.settles` at the step where a tolerance rule broke (``why`` starts "step N:"): teacher
     forced on the tokens both engines share before N, the MAX_PROMPT_FLIPS near-ties below ``flip_range`` closest
     to step N tried one at a time, with the linears' inputs as they are and rounded to int8 per 32 and per 256 as
-    the decode kernels may round them (a sample of that rounding: ``testing.activation_rounding``). Returns
+    the decode kernels may round them (a sample of that rounding: ``testing.activation_rounding``): at the generated
+    positions, and in the prompt what an engine step of ``prefill`` tokens (the batch's prompts) rounds
+    (``rounded_in_prefill``: the output head; the experts too up to 128 tokens; everything up to 16). Returns
     (settled, what the reference gave)."""
     step = int(why.split(":")[0].split()[1])
     return settles(ref_model, list(prompt) + list(base["tokens"][:step]), base["logprobs"][step],
                    base["tokens"][step], other["logprobs"][step], other["tokens"][step], tol, flip_range,
-                   MAX_PROMPT_FLIPS, roundings=(None, *ACTIVATION_BLOCKS))
+                   MAX_PROMPT_FLIPS, roundings=(None, *ACTIVATION_BLOCKS), rounded_from=len(prompt),
+                   prefill_rounded=rounded_in_prefill(prefill))
 
 
 def _reference_view(ref_model, prompt: list[int], base: list[int], other: list[int], why: str,

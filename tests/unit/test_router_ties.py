@@ -174,6 +174,70 @@ def test_int8_activations_round_the_kernel_linears_only_and_restore(model, monke
         model.w[gate] = saved
 
 
+def test_a_prefill_rounds_only_what_an_engine_step_of_its_size_rounds(model, monkeypatch):
+    """With ``rounded_from`` k the reference runs positions < k as a prefill and the rest through its KV cache: in
+    the prefill only the weights named in ``prefill_rounded`` see inputs on the int8 grid (the output head; the
+    experts too when named, reached as slices of the 3-D tensors), after it every kernel linear does; the prefill's
+    rows equal a one-pass forward that rounds only the output head, the later rows do not."""
+    from glm5serve.kernels.gguf_gemv import MAX_FAST_M
+    from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M
+    from glm5serve.testing.activation_rounding import (EXPERT_SUFFIXES, UNROUNDED_SUFFIXES, int8_activations,
+                                                       rounded_in_prefill)
+
+    assert rounded_in_prefill(MAX_FAST_M) is None
+    assert rounded_in_prefill(MAX_FAST_M + 1) == rounded_in_prefill(MOE_Q8_MAX_M) == ("lm_head.weight",
+                                                                                       *EXPERT_SUFFIXES)
+    assert rounded_in_prefill(MOE_Q8_MAX_M + 1) == rt.PREFILL_ROUNDED == ("lm_head.weight",)
+    spans = [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in model.w.items()]
+    part, seen = [0], {}
+    plain, forward = torch.nn.functional.linear, type(model).forward
+
+    def spy(x, w, b=None):
+        name = next((n for n, lo, hi in spans if lo <= w.data_ptr() < hi), None)
+        if name is not None and x.shape[-1] % 32 == 0:
+            seen.setdefault((part[0], name), []).append(_on_grid(x, 32))
+        return plain(x, w, b)
+
+    def counted(ids, cache=None):
+        part[0] += 1
+        return forward(model, ids, cache)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    monkeypatch.setattr(model, "forward", counted, raising=False)
+    for pre in (rounded_in_prefill(MOE_Q8_MAX_M + 1), rounded_in_prefill(MAX_FAST_M + 1)):
+        part[0], seen = 0, {}
+        rt.logprobs(model, IDS, rounding=32, rounded_from=4, prefill_rounded=pre)
+        assert {p for p, _ in seen} == {1, 2}
+        assert any(p == 1 and n.endswith(EXPERT_SUFFIXES) for p, n in seen)
+        for (p, n), on in seen.items():
+            rounded = not n.endswith(UNROUNDED_SUFFIXES) and (p == 2 or n.endswith(pre))
+            assert all(on) if rounded else not any(on), (pre, p, n, on)
+    monkeypatch.undo()
+    two = rt.logprobs(model, IDS, rounding=32, rounded_from=4)
+    with int8_activations(model, 32, only=rt.PREFILL_ROUNDED):
+        one = rt.logprobs(model, IDS)
+    torch.testing.assert_close(two[:4], one[:4], atol=1e-5, rtol=1e-5)  # fp32 sums over 4 rows against 12
+    assert float((two[4:] - one[4:]).abs().max()) > 1e-3
+    assert float((two[4:] - rt.logprobs(model, IDS, rounding=32)[4:]).abs().max()) > 1e-3
+    assert torch.equal(rt.logprobs(model, IDS, rounding=32, rounded_from=4, prefill_rounded=None),
+                       rt.logprobs(model, IDS, rounding=32))
+    for only, why in ((("mlp.gate.weight",), "names a weight left unrounded"), (("nope",), "names no weight")):
+        with pytest.raises(ValueError, match=why), int8_activations(model, 32, only=only):
+            pass
+
+
+def test_a_flip_lands_on_its_position_on_either_side_of_rounded_from(model):
+    """A flip before ``rounded_from`` is taken in the prefill pass, one after it in the cached pass at its own
+    position: earlier positions unchanged, its position moved."""
+    layer = rt.moe_layers(model)[-1]
+    base = rt.logprobs(model, IDS, rounding=32, rounded_from=4)
+    for pos in (2, 6):
+        flipped = rt.logprobs(model, IDS, rt.Flip(layer, pos, 0.0), rounding=32, rounded_from=4)
+        torch.testing.assert_close(flipped[:pos], base[:pos], atol=1e-5, rtol=0)
+        assert float((flipped[pos] - base[pos]).abs().max()) > 1e-3, pos
+    assert "router" not in vars(model)
+
+
 def test_round_activations_bounds():
     """Per block: |x - r| <= d / 2 with d = max|x| / 127, the block maximum kept (code ±127), an all-zero block
     zero; K not a multiple of the block raises."""

@@ -10,7 +10,7 @@ activation rounding (:mod:`~glm5serve.testing.activation_rounding`). Single-grou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -54,14 +54,14 @@ def _flipped_router(model, flip: Flip):
     return router
 
 
-def _forward_with(model, ids: Sequence[int], router=None) -> torch.Tensor:
+def _forward_with(model, ids: Sequence[int], router=None, cache=None) -> torch.Tensor:
     if model.n_group != 1:
         raise ValueError(f"router flips handle single-group routers only, not n_group={model.n_group}")
     if router is not None:
         model.router = router
     try:
         with torch.inference_mode():
-            return model.forward(list(ids))
+            return model.forward(list(ids), cache)
     finally:
         if router is not None:
             del model.router
@@ -96,13 +96,31 @@ def near_ties(model, ids: Sequence[int], tau: float, start: int = 0) -> list[Fli
     return sorted((Flip(layers[r], p, float(m[r, p])) for r, p in found if p >= start), key=lambda f: (f.pos, f.layer))
 
 
-def logprobs(model, ids: Sequence[int], flip: Flip | None = None, rounding: int | None = None) -> torch.Tensor:
+#: what a long prefill rounds: the rows sampled from it reach the output head at a decode batch size (one per request)
+PREFILL_ROUNDED = ("lm_head.weight",)
+
+
+def logprobs(model, ids: Sequence[int], flip: Flip | None = None, rounding: int | None = None,
+             rounded_from: int = 0, prefill_rounded: tuple[str, ...] | None = PREFILL_ROUNDED) -> torch.Tensor:
     """(T, vocab) fp32 log-softmax on the CPU of ``model`` over ``ids`` (T,), teacher forced, with ``flip`` applied
-    when given and the linears' inputs rounded to int8 blocks of ``rounding`` values when given
-    (:func:`~glm5serve.testing.activation_rounding.int8_activations`). Raises ValueError for a grouped router."""
-    with int8_activations(model, rounding):
-        logits = _forward_with(model, ids, None if flip is None else _flipped_router(model, flip))
-    return torch.log_softmax(logits.float(), -1).cpu()
+    when given and, when ``rounding`` is given, the linears' inputs rounded to int8 blocks of that many values
+    (:func:`~glm5serve.testing.activation_rounding.int8_activations`) at positions from ``rounded_from`` on (those
+    an engine computed at a decode batch size); before it (the prefill) only the inputs of the weights named in
+    ``prefill_rounded`` (None: all; ``activation_rounding.rounded_in_prefill``). A ``rounded_from`` > 0 runs the two
+    parts through a KV cache, as an engine does. Raises ValueError for a grouped router."""
+    if rounding is None or rounded_from <= 0 or prefill_rounded is None:
+        with int8_activations(model, rounding):
+            logits = _forward_with(model, ids, None if flip is None else _flipped_router(model, flip))
+        return torch.log_softmax(logits.float(), -1).cpu()
+    cache, parts = model.new_cache(), []
+    for start, stop, only in ((0, rounded_from, prefill_rounded), (rounded_from, len(ids), None)):
+        if start >= stop:
+            continue
+        here = None if flip is None or not start <= flip.pos < stop else replace(flip, pos=flip.pos - start)
+        with int8_activations(model, rounding, only):
+            parts.append(_forward_with(model, ids[start:stop], None if here is None else _flipped_router(model, here),
+                                       cache))
+    return torch.log_softmax(torch.cat(parts).float(), -1).cpu()
 
 
 def bf16_flip_range(model, model_bf16, sequences: Iterable[Sequence[int]]) -> float:
@@ -128,15 +146,18 @@ def bf16_flip_range(model, model_bf16, sequences: Iterable[Sequence[int]]) -> fl
 
 
 def last_step_under_flips(model, ids: Sequence[int], tau: float, max_flips: int = 32, rounding: int | None = None,
-                          flips: Sequence[Flip] | None = None) -> list[tuple[Flip | None, torch.Tensor]]:
+                          flips: Sequence[Flip] | None = None, rounded_from: int = 0,
+                          prefill_rounded: tuple[str, ...] | None = PREFILL_ROUNDED
+                          ) -> list[tuple[Flip | None, torch.Tensor]]:
     """The (vocab,) fp32 log-softmax at the last position of ``ids`` (the next-token distribution), unflipped first
     (flip None), then with each of the ``max_flips`` near-ties (margin < ``tau``, :func:`near_ties`, of the unrounded
     pass; or the given ``flips``) closest to the end flipped, one at a time: one reference forward each, with the
-    linears' inputs rounded to int8 blocks of ``rounding`` values when given. Flips are taken one at a time because
-    together they can cancel. Raises ValueError for a grouped router."""
+    linears' inputs rounded to int8 blocks of ``rounding`` values when given (from ``rounded_from`` on, before it
+    those of ``prefill_rounded``, as in :func:`logprobs`). Flips are taken one at a time because together they can
+    cancel. Raises ValueError for a grouped router."""
     if flips is None:
         flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
-    return [(f, logprobs(model, ids, f, rounding)[-1]) for f in [None, *flips]]
+    return [(f, logprobs(model, ids, f, rounding, rounded_from, prefill_rounded)[-1]) for f in [None, *flips]]
 
 
 def _candidate(flip: Flip | None, rounding: int | None) -> str:
@@ -147,12 +168,14 @@ def _candidate(flip: Flip | None, rounding: int | None) -> str:
 
 
 def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Mapping, other_token: int, tol: float,
-            tau: float, max_flips: int = 32, roundings: Sequence[int | None] = (None,)) -> tuple[bool, str]:
+            tau: float, max_flips: int = 32, roundings: Sequence[int | None] = (None,), rounded_from: int = 0,
+            prefill_rounded: tuple[str, ...] | None = PREFILL_ROUNDED) -> tuple[bool, str]:
     """Whether the fp32 reference settles a step where two bf16 engines broke a tolerance rule: ``ids`` is the
     history both share (the step predicts the token after it), ``base``/``other`` each engine's ``{token: logprob}``
     there (its top-k and chosen token), ``base_token``/``other_token`` their greedy choices. Teacher forced on
     ``ids``, with no flip or one flip of a near-tie (margin < ``tau``, :func:`last_step_under_flips`), the linears'
-    inputs as they are or rounded to int8 blocks (each entry of ``roundings``, None: not rounded), the reference must
+    inputs as they are or rounded to int8 blocks (each entry of ``roundings``, None: not rounded; at the positions from
+    ``rounded_from`` on, before it those of ``prefill_rounded``: :func:`logprobs`), the reference must
     reproduce each engine within ``tol``; the two engines may differ in rounding, and either or both may take the
     flip:
 
@@ -169,7 +192,8 @@ def settles(model, ids: Sequence[int], base: Mapping, base_token: int, other: Ma
     if not roundings:
         raise ValueError("settles: roundings must hold at least one entry (None: not rounded)")
     flips = near_ties(model, ids, tau)[-max_flips:] if max_flips > 0 else []
-    runs = {r: last_step_under_flips(model, ids, tau, rounding=r, flips=flips) for r in roundings}
+    runs = {r: last_step_under_flips(model, ids, tau, rounding=r, flips=flips, rounded_from=rounded_from,
+                                     prefill_rounded=prefill_rounded) for r in roundings}
     lb, lo = ({int(t): float(v) for t, v in d.items()} for d in (base, other))
     ta, tb = int(base_token), int(other_token)
     if ta == tb:
