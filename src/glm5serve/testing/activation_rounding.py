@@ -36,19 +36,21 @@ BLOCKS = (32, 256)
 UNROUNDED_SUFFIXES = ("mlp.gate.weight", "indexer.weights_proj.weight", "kv_b_proj.weight")
 #: the routed experts' weights in the reference (3-D, (E, 2I, H) and (E, H, I))
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+#: what any prefill rounds: the rows sampled from it reach the output head at a decode batch size (one per request)
+PREFILL_ROUNDED = ("lm_head.weight",)
 
 
 def rounded_in_prefill(tokens: int) -> tuple[str, ...] | None:
     """The weights (name suffixes) whose linears the kernels may run with int8 activations in an engine step of
     ``tokens`` rows (every request's prompt tokens of a prefill together): all of them (None) up to
     ``gguf_gemv.MAX_FAST_M`` rows; the routed experts up to ``gguf_moe.MOE_Q8_MAX_M`` (the per-pair MoE path); and
-    beyond, the output head (``lm_head.weight``), which sees one row per request, the sampled one."""
+    beyond, the output head (:data:`PREFILL_ROUNDED`), which sees one row per request, the sampled one."""
     from glm5serve.kernels.gguf_gemv import MAX_FAST_M
     from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M
 
     if tokens <= MAX_FAST_M:
         return None
-    return ("lm_head.weight",) + (EXPERT_SUFFIXES if tokens <= MOE_Q8_MAX_M else ())
+    return PREFILL_ROUNDED + (EXPERT_SUFFIXES if tokens <= MOE_Q8_MAX_M else ())
 
 
 def round_activations(x: torch.Tensor, block: int) -> torch.Tensor:

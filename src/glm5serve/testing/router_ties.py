@@ -16,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from glm5serve.testing.activation_rounding import int8_activations
+from glm5serve.testing.activation_rounding import PREFILL_ROUNDED, int8_activations
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,6 @@ def near_ties(model, ids: Sequence[int], tau: float, start: int = 0) -> list[Fli
     layers = moe_layers(model)
     found = (m < tau).nonzero().tolist()
     return sorted((Flip(layers[r], p, float(m[r, p])) for r, p in found if p >= start), key=lambda f: (f.pos, f.layer))
-
-
-#: what a long prefill rounds: the rows sampled from it reach the output head at a decode batch size (one per request)
-PREFILL_ROUNDED = ("lm_head.weight",)
 
 
 def logprobs(model, ids: Sequence[int], flip: Flip | None = None, rounding: int | None = None,
