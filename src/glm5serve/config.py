@@ -10,9 +10,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from glm5serve.errors import GGUFModelError
+from glm5serve.gguf_file import GGUFModel, _short, metadata_value
 
 if TYPE_CHECKING:
     from transformers import GlmMoeDsaConfig
@@ -26,28 +25,12 @@ def _md(model) -> tuple[dict[str, Any], str]:
     return md, str(getattr(model, "path", "<metadata>"))
 
 
-_KINDS = {int: "an integer", float: "a number", bool: "a boolean"}
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
-
-
-def metadata_value(key: str, v: Any, kind: type, path: str):
-    """Metadata value ``v`` of ``key`` as ``kind`` (int, float or bool). Raises GGUFModelError naming ``path``,
-    ``key`` and the type expected when a value of another GGUF type (a string, an array, a fractional number for
-    an integer key) is stored there."""
-    ok = isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and (kind is not int or float(v).is_integer())
-    if not ok:
-        raise GGUFModelError(f"metadata key {key} is {_short(v)}, expected {_KINDS[kind]}", file=path)
-    return kind(v)
-
-
 def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
     """Keys that contradict each other or the config, or that vLLM or the reference engine cannot run with
-    (llama.cpp ``llama_model_glm_dsa::load_arch_hparams``; vLLM's ``ModelConfig`` checks of ``max_model_len`` and
-    the special token ids). Each problem is one phrase naming its key."""
+    (llama.cpp ``llama_model_glm_dsa::load_arch_hparams``; vLLM's ``ModelConfig`` check of ``max_model_len``;
+    grouped routing as vLLM's ``grouped_topk`` and the reference run it: the groups divide the experts, the chosen
+    groups number 1..``expert_group_count`` and hold ``expert_used_count`` experts or more, a group of several holds
+    two or more, as it is scored by its top 2). Each problem is one phrase naming its key."""
     a = ARCH + "."
     out = []
 
@@ -86,10 +69,17 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != cfg.vocab_size:
         out.append(f"{a}vocab_size={cfg.vocab_size} but tokenizer.ggml.tokens holds {len(tokens)}")
-    for role in ("bos", "eos"):
-        i = getattr(cfg, f"{role}_token_id")
-        if i is not None and not 0 <= i < cfg.vocab_size:
-            out.append(f"tokenizer.ggml.{role}_token_id={i} is not a token id (vocabulary of {cfg.vocab_size})")
+    experts, groups, used = cfg.n_routed_experts, cfg.n_group, cfg.topk_group
+    if groups < 1 or experts % groups:
+        out.append(f"{a}expert_group_count={groups} does not divide expert_count={experts}")
+    elif not 1 <= used <= groups:
+        out.append(f"{a}expert_group_used_count={used} not in 1..expert_group_count={groups}")
+    elif groups > 1 and experts // groups < 2:  # a group scores as the sum of its top 2 (DeepSeek-V3 noaux_tc)
+        out.append(f"{a}expert_group_count={groups} leaves {experts // groups} expert per group, and a group is "
+                   "scored by its top 2")
+    elif used * (experts // groups) < cfg.num_experts_per_tok:
+        out.append(f"{a}expert_group_used_count={used} groups of {experts // groups} experts hold fewer than "
+                   f"expert_used_count={cfg.num_experts_per_tok}")
     types = md.get(a + "attention.indexer.types")
     if types is not None:
         if len(types) < cfg.num_hidden_layers:
@@ -128,11 +118,11 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     key holds a value of the wrong type (naming the key and the type expected), ``block_count`` names more blocks
     than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
-    positive finite number).
+    positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
+    ``leading_dense_block_count``, a special token id outside the vocabulary), or when transformers'
+    ``GlmMoeDsaConfig`` rejects the values (its own message, one line).
     """
     if isinstance(model, (str, os.PathLike)):
-        from glm5serve.gguf_file import GGUFModel
-
         model = GGUFModel(model)
     md, path = _md(model)
     arch = md.get("general.architecture")
@@ -164,6 +154,11 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         raise GGUFModelError(f"{ARCH}.block_count={n_blocks} with nextn_predict_layers={n_mtp} leaves {n_layers} "
                              "main layers", file=path)
     rope_dim = req("rope.dimension_count")
+    if rope_dim % 2:  # RoPE rotates pairs (llama.cpp asserts n_rot % 2 == 0 in ggml_rope)
+        raise GGUFModelError(f"{ARCH}.rope.dimension_count={rope_dim} is odd: RoPE rotates pairs", file=path)
+    n_dense = opt("leading_dense_block_count", 0)
+    if n_dense < 0:
+        raise GGUFModelError(f"{ARCH}.leading_dense_block_count={n_dense} is negative", file=path)
     key_mla = req("attention.key_length_mla")
     gating = opt("expert_gating_func", GATING_SIGMOID)  # absent means sigmoid (llama.cpp glm-dsa loader)
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
@@ -172,6 +167,12 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     vocab = opt("vocab_size", len(tokens) if tokens is not None else 0)
     if vocab <= 0:
         raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size", file=path)
+    # before transformers, which only warns about an id past the vocabulary; vLLM refuses one, and eot/eom are stop ids
+    ids = {role: token_id(role) for role in ("bos", "eos", "padding", "eot", "eom")}
+    bad = [f"tokenizer.ggml.{role}_token_id={i} is not a token id (vocabulary of {vocab})"
+           for role, i in ids.items() if i is not None and not 0 <= i < vocab]
+    if bad:
+        raise GGUFModelError("; ".join(bad), file=path)
     indexer_types = md.get(f"{ARCH}.attention.indexer.types")
     kwargs: dict[str, Any] = {}
     if indexer_types is not None:
@@ -182,9 +183,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         kwargs["indexer_types"] = [t if isinstance(t, str) else ("full" if t else "shared")
                                    for t in indexer_types][:n_layers]
 
-    from transformers import GlmMoeDsaConfig  # here, not at import: it costs seconds (inspect never needs it)
-
-    cfg = GlmMoeDsaConfig(
+    fields = dict(
         architectures=["GlmMoeDsaForCausalLM"],
         vocab_size=vocab,
         hidden_size=req("embedding_length"),
@@ -216,14 +215,20 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         index_topk=req("attention.indexer.top_k"),
         index_head_dim=req("attention.indexer.key_length"),
         index_n_heads=req("attention.indexer.head_count"),
-        first_k_dense_replace=opt("leading_dense_block_count", 0),
-        bos_token_id=token_id("bos"),
-        eos_token_id=token_id("eos"),
-        pad_token_id=token_id("padding"),
+        first_k_dense_replace=n_dense,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["padding"],
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
         **kwargs,
     )
+    from transformers import GlmMoeDsaConfig  # here, not at import: it costs seconds (inspect never needs it)
+
+    try:
+        cfg = GlmMoeDsaConfig(**fields)
+    except Exception as e:  # transformers' own validation (a strict-dataclass error, not a ValueError)
+        raise GGUFModelError(f"transformers' GlmMoeDsaConfig rejects this metadata: {e}", file=path) from None
     problems = metadata_problems(md, cfg, path)
     if problems:
         raise GGUFModelError("; ".join(problems), file=path)

@@ -172,6 +172,26 @@ def _field_value(field, path: Path) -> Any:
     raise GGUFModelError(f"{field.name}: invalid UTF-8", file=str(path))
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def metadata_value(key: str, v: Any, kind: type, path: str):
+    """Metadata value ``v`` of ``key`` as ``kind`` (int, float or bool). Raises GGUFModelError naming ``path``,
+    ``key`` and the type expected when a value of another GGUF type (a string, an array, a boolean for a number,
+    a fractional number for an integer key) is stored there."""
+    is_bool = isinstance(v, (bool, np.bool_))
+    ok = isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and (kind is bool or not is_bool) and (
+        kind is not int or float(v).is_integer())
+    if not ok:
+        raise GGUFModelError(f"metadata key {key} is {_short(v)}, expected {_KINDS[kind]}", file=path)
+    return kind(v)
+
+
 class GGUFModel:
     """A GGUF model as one tensor index over all its split files (memory-mapped; nothing is read eagerly).
 
@@ -189,14 +209,15 @@ class GGUFModel:
         }
         self.tensors: dict[str, TensorInfo] = {}
         count = len(self.paths)
-        declared = int(self.metadata.get(SPLIT_COUNT, 1) or 1)
+        declared = metadata_value(SPLIT_COUNT, self.metadata.get(SPLIT_COUNT, 1), int, str(self.path)) or 1
         if declared != count and not (declared == 1 and count == 1):
             raise GGUFModelError(f"{SPLIT_COUNT}={declared} but the file name says {count} files", file=str(self.path))
         for i, (p, r) in enumerate(zip(self.paths, self.readers)):
             if count > 1:
                 no = r.fields.get(SPLIT_NO)
-                if no is None or int(no.contents()) != i:  # split.no counts from 0, file names from 1
-                    got = "missing" if no is None else int(no.contents())
+                no = None if no is None else metadata_value(SPLIT_NO, _field_value(no, p), int, str(p))
+                if no != i:  # split.no counts from 0, file names from 1
+                    got = "missing" if no is None else no
                     raise GGUFModelError(f"{SPLIT_NO} is {got}, but shard {i + 1} of the set needs {SPLIT_NO}={i}",
                                          file=str(p))
             size = p.stat().st_size
@@ -211,7 +232,7 @@ class GGUFModel:
                     n_bytes=int(t.n_bytes), file=str(p), data_offset=int(t.data_offset), data=t.data,
                 )
         if count > 1:
-            want = int(self.metadata.get(SPLIT_TENSORS, -1))
+            want = metadata_value(SPLIT_TENSORS, self.metadata.get(SPLIT_TENSORS, -1), int, str(self.path))
             if want != len(self.tensors):
                 raise GGUFModelError(
                     f"{SPLIT_TENSORS}={want} but the {count} files hold {len(self.tensors)} tensors", file=str(self.path))

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from glm5serve.config import metadata_value
+from glm5serve.gguf_file import metadata_value
 from glm5serve.gguf_file import GGUFModel
 
 

@@ -283,12 +283,17 @@ def _with_key(src: Path, dst: Path, key: str, value, vtype) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("key,value,expected", [("glm-dsa.block_count", "four", "an integer"),
-                                                ("glm-dsa.attention.layer_norm_rms_epsilon", "x", "a number")])
-def test_metadata_of_the_wrong_type_names_key_and_type(key, value, expected, tiny_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("key,value,vtype,expected", [
+    ("glm-dsa.block_count", "four", "STRING", "an integer"),
+    ("glm-dsa.attention.layer_norm_rms_epsilon", "x", "STRING", "a number"),
+    # a boolean is not a count (fresh-user finding: top_k stored as true ran with index_topk 1)
+    ("glm-dsa.attention.indexer.top_k", True, "BOOL", "an integer"),
+])
+def test_metadata_of_the_wrong_type_names_key_and_type(key, value, vtype, expected, tiny_checkpoint, tmp_path,
+                                                       capsys):
     from gguf import GGUFValueType
 
-    path = _with_key(tiny_checkpoint, tmp_path / "wrong_type.gguf", key, value, GGUFValueType.STRING)
+    path = _with_key(tiny_checkpoint, tmp_path / "wrong_type.gguf", key, value, GGUFValueType[vtype])
     words = (path.name, key, repr(value), f"expected {expected}")
     if key.endswith("block_count"):  # inspect reads the layer count
         _one_line(["inspect", str(path)], capsys, *words)
@@ -301,6 +306,9 @@ def test_metadata_of_the_wrong_type_names_key_and_type(key, value, expected, tin
     ("glm-dsa.context_length", 0, "glm-dsa.context_length=0 is not positive"),
     ("tokenizer.ggml.eos_token_id", "vocab", "tokenizer.ggml.eos_token_id="),
     ("tokenizer.ggml.bos_token_id", "vocab", "tokenizer.ggml.bos_token_id="),
+    # stop ids and padding too (fresh-user finding: both passed verify)
+    ("tokenizer.ggml.eot_token_id", "vocab", "tokenizer.ggml.eot_token_id="),
+    ("tokenizer.ggml.padding_token_id", "vocab", "tokenizer.ggml.padding_token_id="),
 ])
 def test_metadata_no_engine_can_run_is_refused_by_every_command(key, value, words, tiny_checkpoint, tmp_path,
                                                                 gguf_rewrite, capsys):
@@ -405,6 +413,86 @@ def test_metadata_numbers_that_cannot_run(key, value, words, tiny_checkpoint, tm
     path = gguf_rewrite(tiny_checkpoint, tmp_path / "bad.gguf", set_keys={key: value})
     _verify_fail(path, capsys, path.name, key, words)
     _one_line(["generate", str(path), "--prompt", "Hi"], capsys, path.name, key, words)
+
+
+@pytest.mark.parametrize("keys,words", [
+    ({"glm-dsa.expert_group_count": 3}, "glm-dsa.expert_group_count=3 does not divide expert_count=16"),
+    ({"glm-dsa.expert_group_count": 4, "glm-dsa.expert_group_used_count": 5},
+     "glm-dsa.expert_group_used_count=5 not in 1..expert_group_count=4"),
+    ({"glm-dsa.expert_group_count": 16, "glm-dsa.expert_group_used_count": 4}, "leaves 1 expert per group"),
+    ({"glm-dsa.expert_group_count": 8, "glm-dsa.expert_used_count": 4},
+     "glm-dsa.expert_group_used_count=1 groups of 2 experts hold fewer than expert_used_count=4"),
+])
+def test_grouped_routing_that_cannot_run(keys, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """Before: verify passed each file and generate died in the router with a RuntimeError traceback (fresh-user
+    finding); the groups must divide the experts, and the chosen groups must hold top-k experts."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "groups.gguf", set_keys=keys)
+    _verify_fail(path, capsys, path.name, words)
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], capsys, path.name, words)
+
+
+def test_grouped_routing_that_can_run_is_accepted(tiny_checkpoint):
+    """The checks above leave a valid grouped router alone: 16 experts in 4 groups, the best 2 groups, top-2."""
+    from glm5serve.config import config_from_metadata
+
+    md = dict(GGUFModel(tiny_checkpoint).metadata)
+    md.update({"glm-dsa.expert_group_count": 4, "glm-dsa.expert_group_used_count": 2})
+    cfg = config_from_metadata(md)
+    assert (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (4, 2, 2)
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("glm-dsa.rope.dimension_count", 31, "glm-dsa.rope.dimension_count=31 is odd: RoPE rotates pairs"),
+    ("glm-dsa.leading_dense_block_count", -1, "glm-dsa.leading_dense_block_count=-1 is negative"),
+])
+def test_metadata_transformers_rejects_names_its_key(key, value, words, tiny_checkpoint, tmp_path, gguf_rewrite,
+                                                      capsys):
+    """Before: transformers' own validation error (not a ValueError) came out of verify and generate as a
+    traceback that named neither the key nor the file (fresh-user finding)."""
+    from gguf import GGUFValueType
+
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "bad.gguf", set_keys={key: (value, GGUFValueType.INT32)})
+    _verify_fail(path, capsys, path.name, words)
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], capsys, path.name, words)
+
+
+def test_any_config_error_from_transformers_is_one_line(tiny_checkpoint, monkeypatch, capsys):
+    """Whatever else transformers' ``GlmMoeDsaConfig`` raises becomes one line naming the file, from every command."""
+    import transformers
+
+    class StrictError(Exception):  # like huggingface_hub's StrictDataclassClassValidationError: not a ValueError
+        pass
+
+    def reject(**kwargs):
+        raise StrictError("Class validation error for validator 'x':\n    something is off")
+
+    monkeypatch.setattr(transformers, "GlmMoeDsaConfig", reject)
+    words = (tiny_checkpoint.name, "transformers' GlmMoeDsaConfig rejects this metadata: Class validation error "
+             "for validator 'x': something is off")
+    _verify_fail(tiny_checkpoint, capsys, *words)
+    _one_line(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--max-tokens", "1"], capsys, *words)
+
+
+def test_split_keys_of_the_wrong_type(tiny_checkpoint, tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """split.count, split.no and split.tensors.count stored as strings: one line naming the key and the file, from
+    every command (fresh-user finding: a ValueError traceback from int('three'); split.no '1' was accepted)."""
+    from gguf import GGUFValueType
+
+    single = _with_key(tiny_checkpoint, tmp_path / "count.gguf", "split.count", "three", GGUFValueType.STRING)
+    words = (single.name, "metadata key split.count is 'three', expected an integer")
+    _one_line(["inspect", str(single)], capsys, *words)
+    _one_line(["generate", str(single), "--prompt", "Hi"], capsys, *words)
+    paths = GGUFModel(tiny_split_checkpoint).paths
+    first, second = paths[:2]
+    for key, shard in (("split.tensors.count", first), ("split.no", second)):
+        d = tmp_path / key
+        d.mkdir()
+        for p in paths:
+            shutil.copy(p, d / p.name)
+        value = str(GGUFReader(shard).fields[key].contents())
+        gguf_rewrite(shard, d / shard.name, set_keys={key: (value, GGUFValueType.STRING)})
+        _one_line(["inspect", str(d / first.name)], capsys, shard.name,
+                  f"metadata key {key} is {value!r}, expected an integer")
 
 
 def test_generate_refuses_what_the_model_cannot_hold(tiny_checkpoint, capsys):
