@@ -97,15 +97,24 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
 
 
 def _damage(target: Path) -> str | None:
-    """How a built cache entry differs from what its ``COMPLETE`` file recorded (each file's size in bytes, one
-    ``name size`` line per file after the model's name), or None if it does not. A file truncated or removed after
-    the build would otherwise be reported as a bad GGUF on every use, never rebuilt."""
-    for line in (target / "COMPLETE").read_text().splitlines()[1:]:
-        name, size = line.rsplit(" ", 1)
+    """How a built cache entry differs from what its ``COMPLETE`` file recorded (the model's file name, then one
+    ``name size`` line per file, size in bytes), or None if it does not. A file truncated or removed after the build,
+    or a ``COMPLETE`` emptied or garbled, would otherwise be reported as a bad GGUF (or a traceback) on every use,
+    never rebuilt."""
+    lines = (target / "COMPLETE").read_text(errors="replace").splitlines()
+    sizes = {}
+    for line in lines[1:]:
+        name, _, size = line.rpartition(" ")
+        if not name or not size.isdigit():
+            return f"COMPLETE line {line!r} is not 'name size'"
+        sizes[name] = int(size)
+    if not lines or lines[0] not in sizes:
+        return f"COMPLETE records no size for the model file {lines[0] if lines else ''!r}"
+    for name, size in sizes.items():
         f = target / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != int(size):
+        if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, built as {size}"
     return None
 

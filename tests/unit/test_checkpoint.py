@@ -340,10 +340,11 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
 
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove"])
+@pytest.mark.parametrize("damage", ["truncate", "remove", "empty COMPLETE", "garbled COMPLETE"])
 def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, capsys):
-    """A cached file cut short or removed after its build (COMPLETE records each file's size) is rebuilt with a
-    one-line note, not reported as a broken GGUF on every use; an intact one is not touched."""
+    """A cached file cut short or removed after its build (COMPLETE records each file's size), or a COMPLETE emptied
+    or garbled, is rebuilt with a one-line note, not reported as a broken GGUF (or, for COMPLETE, a traceback:
+    fresh-user finding) on every use; an intact one is not touched."""
     from glm5serve.cache import cached_checkpoint
 
     monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path))
@@ -355,9 +356,15 @@ def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, c
         with open(shard2, "r+b") as f:
             f.truncate(sizes[shard2] // 2)
         said = f"{shard2.name} is {sizes[shard2] // 2} bytes, built as {sizes[shard2]}"
-    else:
+    elif damage == "remove":
         shard2.unlink()
         said = f"{shard2.name} is missing"
+    elif damage == "empty COMPLETE":
+        (first.parent / "COMPLETE").write_text("")
+        said = "COMPLETE records no size for the model file ''"
+    else:
+        (first.parent / "COMPLETE").write_text(f"{first.name}\n{first.name}\n")
+        said = f"COMPLETE line {first.name!r} is not 'name size'"
     again = cached_checkpoint("tiny", "bf16", split=2)
     err = capsys.readouterr().err
     assert again == first and {f: f.stat().st_size for f in (first, shard2)} == sizes
