@@ -153,13 +153,6 @@ SUPPORTED_TYPES: tuple[Q, ...] = tuple(_BLOCK_FNS)
 _ELEMENT_BYTES = {Q.F32: 4, Q.F16: 2, Q.BF16: 2}
 
 
-def _type_name(qtype) -> str:
-    try:
-        return Q(int(qtype)).name
-    except ValueError:
-        return f"unknown ggml type {int(qtype)}"
-
-
 def _as_uint8_tensor(data) -> torch.Tensor:
     """Raw bytes as a uint8 tensor, last dim = bytes per row; numpy (even read-only memmaps) is not copied."""
     if isinstance(data, torch.Tensor):
@@ -196,21 +189,23 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
         A new tensor (never a view of ``data``) of ``shape`` and ``dtype`` on ``device``.
 
     Raises:
-        GGUFModelError: unsupported ``qtype`` (the message names it), a row byte count that is not a whole number
-        of blocks, or a ``shape`` with a negative size or a different number of elements.
+        GGUFModelError: unsupported or unknown ``qtype`` (the message names it), a row byte count that is not a whole
+        number of blocks, or a ``shape`` with a negative size or a different number of elements.
         ValueError: a ``dtype`` other than the three above.
 
     Source: gguf-py ``gguf/quants.py`` ``dequantize_blocks``; ggml ``ggml/src/ggml-quants.c`` ``dequantize_row_*``.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, not {dtype}")
-    name = _type_name(qtype)
+    supported = f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
     try:
         qtype = Q(int(qtype))
-        fn = _BLOCK_FNS[qtype]
-    except (ValueError, KeyError):
-        raise GGUFModelError(f"unsupported ggml type {name} for dequantization "
-                             f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})") from None
+    except (TypeError, ValueError):  # a number ggml does not define, a type's name, None
+        raise GGUFModelError(f"unknown ggml type {qtype!r} for dequantization {supported}") from None
+    fn = _BLOCK_FNS.get(qtype)
+    if fn is None:
+        raise GGUFModelError(f"unsupported ggml type {qtype.name} for dequantization {supported}")
+    name = qtype.name
     raw = _as_uint8_tensor(data)
     if device is not None:
         raw = raw.to(device)

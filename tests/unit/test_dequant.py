@@ -120,9 +120,12 @@ def test_unsupported_type_names_the_type(qtype):
         dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
 
 
-def test_unknown_type_number():
-    with pytest.raises(GGUFModelError, match="unknown ggml type 9999"):
-        dequantize(np.zeros(4, dtype=np.uint8), 9999)
+@pytest.mark.parametrize("qtype,shown", [(9999, "9999"), ("Q6_K", "'Q6_K'"), (None, "None")])
+def test_unknown_type(qtype, shown):
+    """A number ggml does not define, a type's name instead of the type, None: GGUFModelError naming what was given
+    (fresh-user finding: a type's name gave int()'s ValueError, None a TypeError)."""
+    with pytest.raises(GGUFModelError, match=f"^unknown ggml type {shown} for dequantization"):
+        dequantize(np.zeros(4, dtype=np.uint8), qtype)
 
 
 def test_partial_block_and_bad_shape_raise():
