@@ -147,7 +147,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     if hasattr(model, "tensors"):  # a GGUFModel: a block_count past the tensors would size everything after it
         last = max((int(m[1]) for n in model.tensors if (m := re.match(r"blk\.(\d+)\.", n))), default=-1)
         if n_blocks > last + 1:
-            raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file's tensors stop at blk.{last}", file=path)
+            where = f"stop at blk.{last}" if last >= 0 else "hold no blk.N tensor"
+            raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file's tensors {where}", file=path)
     n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
     if n_mtp < 0 or n_layers < 1:  # before transformers' own validation, which names neither key nor file

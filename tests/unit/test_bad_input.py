@@ -495,6 +495,14 @@ def test_split_keys_of_the_wrong_type(tiny_checkpoint, tiny_split_checkpoint, tm
                   f"metadata key {key} is {value!r}, expected an integer")
 
 
+def test_metadata_without_tensors(tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """A GGUF with the model's metadata and no tensors (fresh-user finding: the message said 'stop at blk.-1')."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "empty.gguf", drop=set(GGUFModel(tiny_checkpoint).tensors))
+    words = (path.name, "glm-dsa.block_count=4 but the file's tensors hold no blk.N tensor")
+    _verify_fail(path, capsys, *words)
+    _one_line(["generate", str(path), "--prompt", "Hi"], capsys, *words)
+
+
 def test_generate_refuses_what_the_model_cannot_hold(tiny_checkpoint, capsys):
     """A prompt plus --max-tokens past glm-dsa.context_length is refused as vLLM refuses it (max_model_len), not
     run past the trained positions (or into a 51 GB allocation); a seed torch cannot take and a prompt that is not

@@ -15,6 +15,7 @@ def test_dry_run_prints_settings_and_the_vllm_command(tiny_split_checkpoint, cap
     out = capsys.readouterr().out
     assert rc == 0
     assert "tensor parallel: 2 (checked" in out and "3 files" in out and "Q4_K" in out and "weights per GPU: ~" in out
+    assert "the MTP block, which vLLM loads only for speculative decoding, not counted" in out  # the estimate omits it
     cmd = f"{sys.executable} -m vllm.entrypoints.cli.main serve {tiny_split_checkpoint} --tensor-parallel-size 2 " \
           "--max-model-len 512"
     assert out.rstrip().endswith(cmd)

@@ -128,8 +128,9 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
         ("attention backend", attention_backend(cfg.index_topk, option(vllm_args, "--attention-backend"),
                                                 capability)),
         ("quant types", ", ".join(f"{k} {_size(v)}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))),
-        ("weights per GPU", f"~{_size(weight_bytes_per_gpu(model, cfg, tp))} (KV cache and activations come on "
-                            "top: --gpu-memory-utilization)"),
+        ("weights per GPU", f"~{_size(weight_bytes_per_gpu(model, cfg, tp))} (the MTP block, which vLLM loads only "
+                            "for speculative decoding, not counted; KV cache and activations come on top: "
+                            "--gpu-memory-utilization)"),
     ]
 
 
