@@ -41,10 +41,12 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
+        """Number of values (the product of ``ne``)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def block_size(self) -> int:
+        """Values per quant block of ``qtype`` (256 for the K-quants, 32 for Q4_0/Q5_0/Q8_0, 1 for F32/F16/BF16)."""
         return GGML_QUANT_SIZES[self.qtype][0]
 
     def raw(self) -> np.ndarray:

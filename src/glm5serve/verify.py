@@ -36,6 +36,7 @@ class Check:
     detail: str
 
     def line(self) -> str:
+        """The check as ``verify`` prints it: ``PASS`` or ``FAIL``, the check's name, what it found."""
         return f"{'PASS' if self.ok else 'FAIL'}  {self.name:<10} {self.detail}"
 
 
