@@ -169,7 +169,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     if vocab <= 0:
         raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size", file=path)
     # before transformers, which only warns about an id past the vocabulary; vLLM refuses one, and eot/eom are stop ids
-    ids = {role: token_id(role) for role in ("bos", "eos", "padding", "eot", "eom")}
+    ids = {role: token_id(role) for role in ("bos", "eos", "padding", "unknown", "eot", "eom")}
     bad = [f"tokenizer.ggml.{role}_token_id={i} is not a token id (vocabulary of {vocab})"
            for role, i in ids.items() if i is not None and not 0 <= i < vocab]
     if bad:

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
+from glm5serve.gguf_file import metadata_value
 
 #: llama.cpp LLAMA_VOCAB_PRE_TYPE_CHATGLM4 (``(?i:...)`` spelled as ``'[sS]|...`` there)
 GLM4_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -151,8 +152,9 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
                     for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED])
 
     def special(role: str) -> str | None:
-        i = md.get(f"tokenizer.ggml.{role}_token_id")
-        return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
+        key = f"tokenizer.ggml.{role}_token_id"
+        i = None if md.get(key) is None else metadata_value(key, md[key], int, path)
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=special("bos"), eos_token=special("eos"), unk_token=special("unknown"),

@@ -288,6 +288,8 @@ def _with_key(src: Path, dst: Path, key: str, value, vtype) -> Path:
     ("glm-dsa.attention.layer_norm_rms_epsilon", "x", "STRING", "a number"),
     # a boolean is not a count (fresh-user finding: top_k stored as true ran with index_topk 1)
     ("glm-dsa.attention.indexer.top_k", True, "BOOL", "an integer"),
+    # fresh-user finding: a traceback from the tokenizer's int('x') in generate, an unnamed key in verify
+    ("tokenizer.ggml.unknown_token_id", "x", "STRING", "an integer"),
 ])
 def test_metadata_of_the_wrong_type_names_key_and_type(key, value, vtype, expected, tiny_checkpoint, tmp_path,
                                                        capsys):
@@ -309,6 +311,7 @@ def test_metadata_of_the_wrong_type_names_key_and_type(key, value, vtype, expect
     # stop ids and padding too (fresh-user finding: both passed verify)
     ("tokenizer.ggml.eot_token_id", "vocab", "tokenizer.ggml.eot_token_id="),
     ("tokenizer.ggml.padding_token_id", "vocab", "tokenizer.ggml.padding_token_id="),
+    ("tokenizer.ggml.unknown_token_id", "vocab", "tokenizer.ggml.unknown_token_id="),
 ])
 def test_metadata_no_engine_can_run_is_refused_by_every_command(key, value, words, tiny_checkpoint, tmp_path,
                                                                 gguf_rewrite, capsys):
