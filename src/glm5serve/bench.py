@@ -376,6 +376,16 @@ def model_info(model: str) -> dict:
             "gguf_gb": sum(t.n_bytes for t in gguf) / 1e9}
 
 
+def _kernels() -> str:
+    """``$GLM5SERVE_GGUF_KERNELS`` as the plugin reads it (GGUFModelError for a value it does not take)."""
+    from glm5serve.vllm_plugin import gguf_kernels
+
+    try:
+        return gguf_kernels()
+    except ValueError as e:
+        raise GGUFModelError(str(e)) from None
+
+
 def bench(model: str, *, modes=MODES, concurrency=DEFAULT_CONCURRENCY, tp: int = 1, load_format: str = "auto",
           graphs_mode: str = "default", input_len: int = 40, output_len: int = 128, max_model_len: int = 1024,
           repeats: int = 2, gpu_memory_utilization: float = 0.85, attention_backend: str | None = None,
@@ -396,7 +406,7 @@ def bench(model: str, *, modes=MODES, concurrency=DEFAULT_CONCURRENCY, tp: int =
     workdir = Path(workdir or tempfile.mkdtemp(prefix="glm5serve-bench-"))
     record = {"model": str(model), "load_format": load_format, "tp": tp, "graphs_mode": graphs_mode,
               "input_len": input_len, "output_len": output_len, "max_model_len": max_model_len, "repeats": repeats,
-              "attention_backend": attention_backend, "kernels": os.environ.get("GLM5SERVE_GGUF_KERNELS", "glm5serve"),
+              "attention_backend": attention_backend, "kernels": _kernels(),
               **info, "runs": []}
     for mode in modes:
         profile_dir = workdir / f"traces-{mode}" if profile else None

@@ -103,6 +103,9 @@ def test_type_ids_and_layout_conditions(monkeypatch):
     assert served_split(torch.tensor(int(Q.Q4_K)), 512) is False and served_split("Q8_0", 64) is False
     monkeypatch.setenv(SPLIT_Q6_K_ENV, "0")
     assert served_split(torch.tensor(int(Q.Q6_K)), 512) is False and served_split(Q.Q8_0, 64) is True
+    monkeypatch.setenv(SPLIT_Q6_K_ENV, "false")  # not a value it takes: refused, not read as "split"
+    with pytest.raises(ValueError, match=r"\$GLM5SERVE_SPLIT_Q6_K='false': expected one of 1, 0"):
+        served_split(Q.Q6_K, 512)
     monkeypatch.delenv(SPLIT_Q6_K_ENV, raising=False)
     # split rows are only read by glm5serve: every batch size, K of an even number of blocks
     assert supports(split_type(Q.Q5_0), 4096, 7, 64) and not supports(split_type(Q.Q5_0), 1, 7, 96)

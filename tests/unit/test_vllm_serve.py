@@ -57,6 +57,31 @@ def test_a_tp_size_that_is_not_a_positive_integer_is_refused(tiny_checkpoint, ca
     assert captured.err.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("var,value", [("GLM5SERVE_GGUF_KERNELS", "off"), ("GLM5SERVE_PDL", "bogus"),
+                                       ("GLM5SERVE_SPLIT_Q6_K", "false")])
+def test_a_kernel_setting_it_does_not_take_is_refused(tiny_checkpoint, monkeypatch, capsys, var, value):
+    """Fresh-user finding: GLM5SERVE_GGUF_KERNELS=off or GLM5SERVE_SPLIT_Q6_K=false silently kept the default
+    (the opposite of what was meant), GLM5SERVE_PDL=bogus failed only at vLLM's first kernel launch."""
+    monkeypatch.setenv(var, value)
+    assert main(["serve", str(tiny_checkpoint), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and captured.err.strip().count("\n") == 0
+    assert captured.err.startswith(f"glm5serve serve: ${var}={value!r}: expected one of "), captured.err
+
+
+@pytest.mark.parametrize("env,shown", [({}, "glm5serve's Triton kernels (PDL wait on sm_90+; Q4_0/Q5_0/Q8_0/Q6_K "),
+                                       ({"GLM5SERVE_SPLIT_Q6_K": "0", "GLM5SERVE_PDL": " OFF"},
+                                        "glm5serve's Triton kernels (PDL off on sm_90+; Q4_0/Q5_0/Q8_0 linear"),
+                                       ({"GLM5SERVE_GGUF_KERNELS": "Plugin"}, "vllm-gguf-plugin's")])
+def test_dry_run_says_which_kernels_run(tiny_checkpoint, monkeypatch, capsys, env, shown):
+    for var in ("GLM5SERVE_GGUF_KERNELS", "GLM5SERVE_PDL", "GLM5SERVE_SPLIT_Q6_K"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert main(["serve", str(tiny_checkpoint), "--dry-run"]) == 0
+    assert f"GGUF kernels: {shown}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("capability, topk, want", [
     (None, 2048, "none: no CUDA GPU"), ((9, 0), 2048, "FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE"),
     ((10, 0), 2048, "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE"), ((12, 0), 2048, "FLASHINFER_MLA_SPARSE_SM120"),

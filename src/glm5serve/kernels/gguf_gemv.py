@@ -699,9 +699,18 @@ def _device_info(device: torch.device) -> tuple[int, str]:
 #: batch 4 11.0 / 10.3 / 10.9 / 12.2.  With a small torch op before each GEMV (as a norm precedes it in a model), off
 #: / wait: Q4_K gate/up batch 1 8.8 / 8.2, lm_head/8 33.9 / 33.6, q_b/8 batch 1 6.4 / 6.6, Q6_K gate/up batch 1 11.8
 #: / 12.1, batch 4 16.5 / 16.2, Q5_0 batch 1 11.6 / 11.3 (``test_bench_pdl_modes``).
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """``$name`` stripped and lower-cased, ``default`` when unset or empty; raises ValueError naming the variable
+    and the choices for any other value (a typo must not silently keep the default)."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"${name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 PDL_ENV = "GLM5SERVE_PDL"
 PDL_MODES = ("off", "wait", "prefetch")
-PDL_MODE = os.environ.get(PDL_ENV, "wait").strip().lower()
+PDL_MODE = os.environ.get(PDL_ENV, "").strip().lower() or "wait"
 PDL_MAX_STEPS = 1
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 import torch
 import triton
@@ -55,6 +54,7 @@ from glm5serve.kernels.gguf_gemv import (
     GemvConfig,
     _as_words,
     _check_config,
+    env_choice,
     _check_out,
     _check_tensors,
     _index,
@@ -788,10 +788,11 @@ SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 
 def served_split(qtype: int, K: int) -> bool:
     """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K unless
-    ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above).  A bool for any qtype (a torch integer too)."""
+    ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above).  A bool for any qtype (a torch integer too); ValueError for a
+    ``$GLM5SERVE_SPLIT_Q6_K`` other than 0 or 1."""
     if not can_split(qtype, K):
         return False
-    return operator.index(qtype) != Q6_K or os.environ.get(SPLIT_Q6_K_ENV, "1") != "0"
+    return operator.index(qtype) != Q6_K or env_choice(SPLIT_Q6_K_ENV, ("1", "0"), "1") == "1"
 
 
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:

@@ -47,6 +47,17 @@ def serialize_shared_experts() -> None:
     os.environ.setdefault(SHARED_EXPERTS_STREAM_ENV, "1")
 
 
+KERNELS_ENV = "GLM5SERVE_GGUF_KERNELS"
+
+
+def gguf_kernels() -> str:
+    """Whose GGUF decode kernels vLLM runs: ``glm5serve`` (the default) or ``plugin`` (vllm-gguf-plugin's own), from
+    ``$GLM5SERVE_GGUF_KERNELS``. Raises ValueError for another value."""
+    from glm5serve.kernels.gguf_gemv import env_choice
+
+    return env_choice(KERNELS_ENV, ("glm5serve", "plugin"), "glm5serve")
+
+
 def register() -> None:
     """Register glm5serve with vLLM (idempotent; vLLM runs general plugins in no fixed order).
 
@@ -56,10 +67,8 @@ def register() -> None:
     glm5serve's GGUF decode kernels (:func:`glm5serve.kernels.vllm_ops.install`; ``GLM5SERVE_GGUF_KERNELS=plugin``
     keeps the plugin's own) and the Triton MLA backend as ``CUSTOM`` (``--attention-backend CUSTOM``; chosen
     automatically where vLLM has no sparse MLA backend for the GPU and dims: :func:`glm5serve.mla.select_backend`).
-    Before anything, :func:`serialize_shared_experts`.
+    Before anything, :func:`serialize_shared_experts`. Raises ValueError for a bad ``$GLM5SERVE_GGUF_KERNELS``.
     """
-    import os
-
     serialize_shared_experts()  # before vLLM builds the MoE layers, which read it
     import vllm_gguf_plugin
     from vllm.config.load import LoadConfig
@@ -80,7 +89,7 @@ def register() -> None:
         register_model_loader("gguf")(GLM5GGUFModelLoader)
     register_synthetic_loader()
     config_parser.register()
-    if os.environ.get("GLM5SERVE_GGUF_KERNELS", "glm5serve") != "plugin":
+    if gguf_kernels() == "glm5serve":
         vllm_ops.install()
     mla.register_backend()
     mla.hook_backend_selection()

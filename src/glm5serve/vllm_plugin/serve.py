@@ -93,17 +93,38 @@ def weight_bytes_per_gpu(model, cfg, tp: int, dtype_bytes: int = 2) -> int:
     return total
 
 
+def kernel_settings() -> str:
+    """The GGUF decode kernels vLLM will run, from ``$GLM5SERVE_GGUF_KERNELS``, ``$GLM5SERVE_PDL`` and
+    ``$GLM5SERVE_SPLIT_Q6_K``, as one phrase. Raises GGUFModelError (one line naming the variable) for a value
+    those do not take, so that a typo is refused before vLLM starts instead of silently keeping the default."""
+    from glm5serve.kernels.gguf_gemv import PDL_ENV, PDL_MODES, env_choice
+    from glm5serve.kernels.gguf_split import SPLIT_Q6_K_ENV
+    from glm5serve.vllm_plugin import gguf_kernels
+
+    try:
+        if gguf_kernels() == "plugin":
+            return "vllm-gguf-plugin's ($GLM5SERVE_GGUF_KERNELS=plugin)"
+        pdl = env_choice(PDL_ENV, PDL_MODES, "wait")
+        split_q6_k = env_choice(SPLIT_Q6_K_ENV, ("1", "0"), "1") == "1"
+    except ValueError as e:
+        raise GGUFModelError(str(e)) from None
+    return (f"glm5serve's Triton kernels (PDL {pdl} on sm_90+; Q4_0/Q5_0/Q8_0{'/Q6_K' if split_q6_k else ''} "
+            "linear weights as split rows)")
+
+
 def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
 
     Raises GGUFModelError for a file that ``glm5serve verify --tp``'s open, metadata, tokenizer, tensor, type or TP
     check rejects (with verify's message; the finite-values check is not run: it reads every weight; vLLM builds its
     tokenizer from the GGUF), or whose data does not fit
-    ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`).
+    ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`), and for a bad kernel setting
+    (:func:`kernel_settings`).
     """
     from glm5serve import verify
     from glm5serve.synthetic import check_load_format
 
+    kernels = kernel_settings()
     ctx = verify.require(path, (verify.check_open, verify.check_metadata, verify.check_tokenizer,
                                 verify.check_tensors, verify.check_types, verify.check_tp), tp)
     model, cfg = ctx.model, ctx.cfg
@@ -127,6 +148,7 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
         ("tensor parallel", f"{tp} (checked: heads, intermediate sizes and quant blocks divide)"),
         ("attention backend", attention_backend(cfg.index_topk, option(vllm_args, "--attention-backend"),
                                                 capability)),
+        ("GGUF kernels", kernels),
         ("quant types", ", ".join(f"{k} {_size(v)}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))),
         ("weights per GPU", f"~{_size(weight_bytes_per_gpu(model, cfg, tp))} (the MTP block, which vLLM loads only "
                             "for speculative decoding, not counted; KV cache and activations come on top: "
