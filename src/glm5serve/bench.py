@@ -645,6 +645,8 @@ def _run(args) -> int:
         if args.target_tp < 3:  # TP=1 and TP=2 are what the projection is made from: their lines are printed anyway
             raise GGUFModelError(f"--target-tp must be >= 3 (TP=1 and TP=2 are measured, not projected), "
                                  f"not {args.target_tp}")
+        if args.json and any(Path(args.json).resolve() == Path(f).resolve() for f in args.projection):
+            raise GGUFModelError(f"--json {args.json} is one of the records to project: it would be overwritten")
         records = [_read_record(f) for f in args.projection]
         _check_together(args.projection, records)
         out = project(records, args.target_layers, args.target_tp, args.basis)
@@ -653,9 +655,16 @@ def _run(args) -> int:
         if args.model is None:
             raise GGUFModelError("bench needs a MODEL (or --projection RESULT.json ...)")
         for name, value, least in (("--output-len", args.output_len, 2), ("--input-len", args.input_len, 1),
-                                   ("--tp", args.tp, 1)):
+                                   ("--tp", args.tp, 1), ("--repeats", args.repeats, 1),
+                                   ("--profile-steps", args.profile_steps, 1),
+                                   ("--max-model-len", args.max_model_len, args.input_len + args.output_len)):
             if value < least:
-                raise GGUFModelError(f"{name} must be >= {least}, not {value}")
+                raise GGUFModelError(f"{name} must be >= {least}, not {value}"
+                                     + (" (--input-len + --output-len)" if name == "--max-model-len" else ""))
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise GGUFModelError(f"--gpu-memory-utilization must be in (0, 1], not {args.gpu_memory_utilization}")
+        if not 0 < args.timeout < math.inf:
+            raise GGUFModelError(f"--timeout must be a positive number of seconds, not {args.timeout}")
         _check_runnable(args)
         out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
                     load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,

@@ -497,6 +497,18 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
     capsys.readouterr()
     for bad, want in ((["--tp", "0"], "--tp must be >= 1, not 0"),
                       (["--output-len", "1"], "--output-len must be >= 2, not 1"),
-                      (["--input-len", "-3"], "--input-len must be >= 1, not -3")):
+                      (["--input-len", "-3"], "--input-len must be >= 1, not -3"),
+                      # fresh-user findings: these reached vLLM, or failed after the engine had loaded
+                      (["--repeats", "0"], "--repeats must be >= 1, not 0"),
+                      (["--profile-steps", "-1"], "--profile-steps must be >= 1, not -1"),
+                      (["--max-model-len", "100"], "--max-model-len must be >= 168, not 100 (--input-len + "
+                                                   "--output-len)"),
+                      (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization must be in (0, 1], not 5.0"),
+                      (["--timeout", "-5"], "--timeout must be a positive number of seconds, not -5.0")):
         assert main(["bench", str(tiny_checkpoint), *bad]) == 2
         assert capsys.readouterr().err.strip() == f"glm5serve bench: {want}"
+    # the projection's --json must not overwrite one of its inputs (it did, exit 0)
+    before = f.read_text()
+    assert main(["bench", "--projection", str(f), "--json", str(tmp_path / "." / "r.json")]) == 2
+    assert "is one of the records to project: it would be overwritten" in capsys.readouterr().err
+    assert f.read_text() == before
