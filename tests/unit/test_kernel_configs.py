@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -426,3 +428,18 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
     for tokens, inter, tile in ((1, 256, (2, 4)), (4, 256, (2, 4)), (16, 256, (4, 2)), (1, 2048, (4, 2)),
                                 (4, 2048, (4, 2))):
         assert gm._gate_up_tile(8 * tokens, inter, 132) == tile, (tokens, inter)
+
+
+@pytest.mark.parametrize("args,words", [
+    ((Q.F32, 1, 32, 256), "qtype <GGMLQuantizationType.F32: 0> is not one of"),
+    (("Q4_K", 1, 32, 256), "qtype 'Q4_K' is not one of"),
+    ((Q.Q4_K, 0, 32, 256), "M must be a positive integer, not 0"),
+    ((Q.Q4_K, 1.5, 32, 256), "M must be a positive integer, not 1.5"),
+    ((Q.Q4_K, -5, 32, 256), "M must be a positive integer, not -5"),
+    ((Q.Q4_K, 1, 0, 256), "N must be a positive integer, not 0"),
+    ((Q.Q4_K, 1, 32, 100), "K=100 is not a whole number of Q4_K blocks (256 values)"),
+])
+def test_pick_config_refuses_what_no_kernel_runs(args, words):
+    """Fresh-user finding: ZeroDivisionError, KeyError or AttributeError from deep inside, or (M=-5) a config."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pick_config(*args)

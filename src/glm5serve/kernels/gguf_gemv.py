@@ -966,7 +966,16 @@ def pick_config(qtype: int, M: int, N: int, K: int, sms: int = 132, dtype: torch
     per SM).  Q4_K and Q5_K take the int8 tensor-core GEMM instead (``mma``, ``_mma_applies``, ``_mma_tile``) at
     5..16 rows, and at 3..4 rows on weights of MMA_MIN_BYTES_M4 with rows of MMA_MIN_BLOCKS_M4.  Neither prefetch nor q8
     nor mma for ``device_name`` "cpu" (the Triton interpreter has no inline PTX; it runs ``q8`` and ``mma`` only when
-    asked)."""
+    asked).  Raises ValueError for a ``qtype`` other than the six GGUF types above, or M, N, K that are not
+    positive integers with K a whole number of ``qtype`` blocks."""
+    if qtype not in BLOCK_SIZES:
+        raise ValueError(f"pick_config: qtype {qtype!r} is not one of {', '.join(_NAMES.values())} (a GGML type id)")
+    for name, v in (("M", M), ("N", N), ("K", K)):
+        if isinstance(v, bool) or not hasattr(v, "__index__") or v < 1:  # numpy and torch integers too
+            raise ValueError(f"pick_config: {name} must be a positive integer, not {v!r}")
+    if K % BLOCK_SIZES[qtype][0]:
+        raise ValueError(f"pick_config: K={K} is not a whole number of {_NAMES[qtype]} blocks "
+                         f"({BLOCK_SIZES[qtype][0]} values)")
     tuned = tuned_configs(device_name) if device_name else {}
     # batch 1 takes only a batch-1 entry: it runs one-row paths, and a multi-row entry there is slow (H200, session
     # 12, one machine: Q8_0 expert gate/up at batch 1 on a batch-2 tensor-core entry 17.5 us, on the heuristic 11.5)
