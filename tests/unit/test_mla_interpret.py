@@ -264,6 +264,27 @@ else:
             mla_decode(b.q_nope.half(), b.q_pe.half(), b.kv_cache, b.scale, **b.decode_kwargs())
         with pytest.raises(ValueError, match="kv_cache"):
             mla_decode(b.q_nope, b.q_pe[..., :8], b.kv_cache, b.scale, **b.decode_kwargs())
+        # fresh-user findings: each of these crashed the interpreter (out too small: heap corruption), read past
+        # the operands, or (num_splits 0) returned uninitialised memory
+        two = make_batch([20, 9], [1, 1], 4, 32, 16, 8, torch.bfloat16)
+        kw = two.decode_kwargs()
+        for bad, words in (
+                (dict(out=torch.empty(1, 1, 1, dtype=torch.bfloat16)),
+                 r"out \(1, 1, 1\) torch.bfloat16 must be \(2, 4, 32\)"),
+                (dict(lse=torch.empty(2, 4, dtype=torch.float16)), r"lse \(2, 4\) torch.float16 must be"),
+                (dict(kv_lens=two.kv_lens[:1]), r"kv_lens \(1,\) torch.int32 must be a 1-D int32 tensor of >= 2"),
+                (dict(kv_lens=two.kv_lens.long()), r"kv_lens \(2,\) torch.int64 must be a 1-D int32"),
+                (dict(block_table=two.block_table[0]), r"block_table \(\d+,\) torch.int32 must be a 2-D"),
+                (dict(num_splits=0), "num_splits must be a positive integer, not 0"),
+                (dict(num_splits=-1), "num_splits must be a positive integer, not -1")):
+            with pytest.raises(ValueError, match=words):
+                mla_decode(two.q_nope, two.q_pe, two.kv_cache, two.scale, **{**kw, **bad})
+        pre = make_batch([12, 7], [5, 3], 2, 32, 16, 4, torch.bfloat16)
+        for max_query_len in (0, 9):
+            words = f"max_query_len must be in 1..8 \\(the tokens\\), not {max_query_len}"
+            with pytest.raises(ValueError, match=words):
+                mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
+                            query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens, max_query_len=max_query_len)
 
     # -----------------------------------------------------------------------------------------------------------
     # The vLLM backend (whichever vLLM is importable: 0.33 here, 0.25 with GLM5SERVE_VLLM025_PATH)

@@ -316,6 +316,18 @@ def _check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     return T, H, L, R
 
 
+def _check_operands(T: int, H: int, L: int, dtype: torch.dtype, *, out=None, lse=None, int32=()) -> None:
+    """Host-side checks (shapes, dtypes; no values: that would cost a device sync) of the outputs and the int32
+    index operands ``int32`` = ((name, tensor or None, dims, least rows), ...); ValueError naming the operand."""
+    if out is not None and (tuple(out.shape) != (T, H, L) or out.dtype != dtype or out.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be ({T}, {H}, {L}) {dtype}, last dim contiguous")
+    if lse is not None and (tuple(lse.shape) != (T, H) or lse.dtype != torch.float32):
+        raise ValueError(f"lse {tuple(lse.shape)} {lse.dtype} must be ({T}, {H}) torch.float32")
+    for name, x, dims, rows in int32:
+        if x is not None and (x.dim() != dims or x.dtype != torch.int32 or x.shape[0] < rows):
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} must be a {dims}-D int32 tensor of >= {rows} rows")
+
+
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, scale: float, *,
                block_table: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None,
                req_ids: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None,
@@ -345,7 +357,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         out (T, H, L) in the query dtype and lse (T, H) fp32 (natural log; ``-inf`` and 0 for no key).
 
     Raises:
-        ValueError: inconsistent shapes or dtypes.
+        ValueError: inconsistent shapes or dtypes (queries, cache, ``out``, ``lse``, the int32 index tensors), or
+        ``num_splits`` < 1. Index values are not checked (that would sync with the device): ``kv_lens`` past the
+        block table or ``req_ids`` past its rows read outside the cache.
     """
     T, H, L, R = _check_inputs(q_nope, q_pe, kv_cache)
     sparse = topk_indices is not None
@@ -356,9 +370,16 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("kv_lens masking needs logical top-k indices (and a block_table)")
     if sparse and (topk_indices.shape[0] < T or topk_indices.stride(-1) != 1):
         raise ValueError(f"topk_indices {tuple(topk_indices.shape)} must be (>= {T}, topk), last dim contiguous")
+    _check_operands(T, H, L, q_nope.dtype, out=out, lse=lse, int32=(
+        ("block_table", block_table, 2, 1 if T else 0), ("kv_lens", kv_lens, 1, T),
+        # no row count for req_ids: the backend hands the real tokens' view of a buffer whose zeroed tail serves
+        # the CUDA-graph padding tokens (``backend.TritonMLASparseMetadataBuilder``)
+        ("req_ids", req_ids, 1, 0), ("topk_indices", topk_indices, 2, T)))
     num_topk = topk_indices.shape[1] if sparse else 0
     if num_splits is None:
         num_splits = default_num_splits(T, H, num_topk if sparse else 8192, q_nope.device, block_n, block_h)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer, not {num_splits!r}")
     out = torch.empty((T, H, L), dtype=q_nope.dtype, device=q_nope.device) if out is None else out
     lse = torch.empty((T, H), dtype=torch.float32, device=q_nope.device) if lse is None else lse
     if T == 0:
@@ -425,9 +446,18 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
 
     Returns:
         out (T, H, L) in the query dtype, lse (T, H) fp32.
+
+    Raises:
+        ValueError: as :func:`mla_decode`, and a ``max_query_len`` outside 1..T (rows past it would be left
+        unwritten; one below the longest ``q_len`` is not detected, as that would sync with the device).
     """
     T, H, L, R = _check_inputs(q_nope, q_pe, kv_cache)
     B = seq_lens.shape[0]
+    _check_operands(T, H, L, q_nope.dtype, out=out, lse=lse, int32=(
+        ("block_table", block_table, 2, B), ("query_start_loc", query_start_loc, 1, B + 1),
+        ("seq_lens", seq_lens, 1, B), ("topk_indices", topk_indices, 2, T)))
+    if T and not 1 <= max_query_len <= T:  # too small leaves rows unwritten; the true maximum would need a sync
+        raise ValueError(f"max_query_len must be in 1..{T} (the tokens), not {max_query_len}")
     if topk_indices is not None:
         tokens = torch.arange(T, device=q_nope.device, dtype=query_start_loc.dtype)
         req_ids = (torch.searchsorted(query_start_loc[1:B + 1], tokens, right=True)).to(torch.int32)
