@@ -55,6 +55,34 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         out = log.read()
         assert rc == 0, f"interpreted kernel tests failed ({rc}):\n{out[-15000:]}"
 
+    def test_bf16_is_exact_under_the_interpreter_without_test_setup():
+        """A user running the kernels on CPU tensors under the interpreter gets the GPU's numbers in bf16 too: the
+        kernel modules widen bf16 ``tl.dot`` operands on import (triton-lang/triton#11584). Fresh-user finding: the
+        tensor-core paths returned values around 1e11, with no error. No test helper is called here."""
+        code = """
+import torch
+from gguf import GGMLQuantizationType as Q
+from glm5serve.dequant import dequantize
+from glm5serve.kernels import gguf_linear
+from glm5serve.mla.testing import make_batch
+from glm5serve.mla.triton_mla import mla_decode, mla_reference
+from glm5serve.quantize import quantize
+g = torch.Generator().manual_seed(0)
+w = quantize(torch.randn(32, 256, generator=g).numpy(), Q.Q4_K)
+x = torch.randn(4, 256, generator=g).bfloat16()
+ref = x.float() @ dequantize(w, Q.Q4_K).T
+got = gguf_linear(x, torch.from_numpy(w), Q.Q4_K, 32).float()
+assert (got - ref).abs().max() <= 0.05 * ref.abs().max(), ((got - ref).abs().max(), ref.abs().max())
+b = make_batch([20, 9], [1, 1], 4, 32, 16, 8, torch.bfloat16)
+out, _ = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
+want, _ = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
+assert (out.float() - want.float()).abs().max() < 0.05, (out.float() - want.float()).abs().max()
+print("ok")
+"""
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-3000:] + r.stderr[-3000:]
+
 else:
     import dataclasses
 
@@ -69,7 +97,8 @@ else:
     from glm5serve.kernels.testing import dequant, random_qweight, reference_linear, reference_moe
     from glm5serve.quantize import quantize
 
-    from glm5serve.testing.triton_interpret import check_bounds, patch_bf16_dot
+    from glm5serve.testing.triton_interpret import check_bounds
+    from glm5serve.triton_interpreter import patch_bf16_dot
 
     patch_bf16_dot()
     check_bounds()  # every load and store of every kernel below stays inside its launch's tensors

@@ -109,7 +109,8 @@ else:
     from glm5serve.mla.triton_mla import mla_decode, mla_prefill, mla_reference, prefill_kv_lens
     from glm5serve.schema import split_kv_b
 
-    from glm5serve.testing.triton_interpret import check_bounds, patch_bf16_dot
+    from glm5serve.testing.triton_interpret import check_bounds
+    from glm5serve.triton_interpreter import patch_bf16_dot
 
     patch_bf16_dot()
     check_bounds()  # every load and store of every kernel below stays inside its launch's tensors

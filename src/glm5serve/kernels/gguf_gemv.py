@@ -63,6 +63,10 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5serve import triton_interpreter
+
+triton_interpreter.apply()  # bf16 tl.dot on the CPU interpreter (see there)
+
 # GGML type ids (gguf-py ``GGMLQuantizationType``).
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 # (elements per block, bytes per block), as gguf-py ``GGML_QUANT_SIZES``.

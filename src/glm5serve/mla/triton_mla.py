@@ -40,6 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5serve import triton_interpreter
+
+triton_interpreter.apply()  # bf16 tl.dot on the CPU interpreter (see there)
+
 #: rows of one head tile: the smallest M of a tensor-core ``tl.dot``
 BLOCK_H = 16
 #: latent columns per merge program (spreads the split-K partials of a token over many SMs)
