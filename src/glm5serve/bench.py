@@ -376,6 +376,10 @@ def model_info(model: str) -> dict:
             "gguf_gb": sum(t.n_bytes for t in gguf) / 1e9}
 
 
+#: the largest --target-layers a projection takes (GLM-5 has 78; a count past float's range overflowed)
+MAX_TARGET_LAYERS = 100_000
+
+
 def _kernels() -> str:
     """``$GLM5SERVE_GGUF_KERNELS`` as the plugin reads it (GGUFModelError for a value it does not take)."""
     from glm5serve.vllm_plugin import gguf_kernels
@@ -642,6 +646,8 @@ def _run(args) -> int:
     if args.projection:
         if args.target_layers < 1:
             raise GGUFModelError("--target-layers must be >= 1")
+        if args.target_layers > MAX_TARGET_LAYERS:  # a count past float's range overflowed in the projection
+            raise GGUFModelError(f"--target-layers must be <= {MAX_TARGET_LAYERS}, not {args.target_layers}")
         if args.target_tp < 3:  # TP=1 and TP=2 are what the projection is made from: their lines are printed anyway
             raise GGUFModelError(f"--target-tp must be >= 3 (TP=1 and TP=2 are measured, not projected), "
                                  f"not {args.target_tp}")

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from glm5serve.errors import GGUFModelError
 from glm5serve.gguf_file import metadata_value
 from glm5serve.gguf_file import GGUFModel
 
@@ -30,6 +31,9 @@ def summarize(model: GGUFModel) -> dict:
         return None if v is None else metadata_value(f"{arch}.{k}", v, int, str(model.path))
 
     blocks, mtp = key("block_count"), key("nextn_predict_layers") or 0
+    if blocks is not None and not 0 <= mtp <= blocks:  # a negative layer count in the summary (fresh-user finding)
+        raise GGUFModelError(f"{arch}.block_count={blocks} with nextn_predict_layers={mtp} leaves {blocks - mtp} "
+                             "main layers", file=str(model.path))
     return {
         "files": [str(p) for p in model.paths],
         "architecture": arch,

@@ -250,13 +250,13 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     large for the type (beyond fp16's 65504 for F16; for block types, a block scale that overflows its fp16 field,
     which would dequantize to inf).
     """
+    supported = f"(supported: {', '.join(t.name for t in QUANTIZE_TYPES)})"
     try:
         qtype = Q(int(qtype))
-    except ValueError:
-        qtype = None
+    except (TypeError, ValueError):  # a number ggml does not define, a type's name, None
+        raise GGUFModelError(f"quantization to unknown ggml type {qtype!r} is not supported {supported}") from None
     if qtype not in QUANTIZE_TYPES:
-        raise GGUFModelError(f"quantization to {qtype.name if qtype is not None else 'an unknown ggml type'} is not "
-                             f"supported (supported: {', '.join(t.name for t in QUANTIZE_TYPES)})")
+        raise GGUFModelError(f"quantization to {qtype.name} is not supported {supported}")
     x = np.asarray(data)
     if x.dtype != np.float32:
         x = x.astype(np.float32)

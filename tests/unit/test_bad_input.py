@@ -498,6 +498,14 @@ def test_split_keys_of_the_wrong_type(tiny_checkpoint, tiny_split_checkpoint, tm
                   f"metadata key {key} is {value!r}, expected an integer")
 
 
+def test_more_mtp_layers_than_blocks_in_inspect(tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """inspect printed "layers": -6 for nextn_predict_layers above block_count (fresh-user finding)."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "mtp.gguf", set_keys={"glm-dsa.nextn_predict_layers": 10})
+    words = (path.name, "glm-dsa.block_count=4 with nextn_predict_layers=10 leaves -6 main layers")
+    _one_line(["inspect", str(path), "--json"], capsys, *words)
+    _verify_fail(path, capsys, *words)
+
+
 def test_metadata_without_tensors(tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     """A GGUF with the model's metadata and no tensors (fresh-user finding: the message said 'stop at blk.-1')."""
     path = gguf_rewrite(tiny_checkpoint, tmp_path / "empty.gguf", drop=set(GGUFModel(tiny_checkpoint).tensors))

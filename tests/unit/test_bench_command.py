@@ -482,7 +482,8 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"tp": 1, "layers": 4, "runs": []}))
     for bad, why in ((["--target-tp", "0"], "--target-tp must be >= 3"), (["--target-tp", "2"], "measured, not"),
-                     (["--target-layers", "-5"], "--target-layers must be >= 1")):
+                     (["--target-layers", "-5"], "--target-layers must be >= 1"),
+                     (["--target-layers", "1" + "0" * 400], "--target-layers must be <= 100000")):  # was OverflowError
         assert main(["bench", "--projection", str(f), *bad]) == 2
         assert why in capsys.readouterr().err
     assert main(["bench", str(tiny_checkpoint)]) == 2  # no GPU here

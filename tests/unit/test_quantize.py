@@ -179,3 +179,10 @@ def test_dequantized_round_trip_in_torch_dtypes():
     full = dequantize(q, Q.Q4_K)
     for dtype in (torch.bfloat16, torch.float16):
         assert torch.equal(dequantize(q, Q.Q4_K, dtype=dtype), full.to(dtype))
+
+
+@pytest.mark.parametrize("qtype,shown", [("Q4_K", "'Q4_K'"), (None, "None"), (9999, "9999")])
+def test_unknown_quantization_type_is_named(qtype, shown):
+    """As dequantize: a type's name or None is an unknown type, named in the error (None gave a TypeError)."""
+    with pytest.raises(GGUFModelError, match=f"^quantization to unknown ggml type {shown} is not supported"):
+        quantize(np.zeros((1, 256), np.float32), qtype)
