@@ -605,7 +605,8 @@ _SHARED = ("input_len", "output_len", "max_model_len", "graphs_mode", "load_form
 def _check_together(paths: list, records: list[dict]) -> None:
     """Refuse, in one line naming the file, a projection's records that do not belong together: a file listed twice
     (it would count twice in the fits), records of another workload, model or GPU (a field of :data:`_SHARED` or a
-    run's ``gpu`` that differs from the first record stating it), or records without a single result."""
+    run's ``gpu`` that differs from the first record stating it), or records that together hold no step time (one
+    without results beside others that have them is taken: it adds no point to the fits)."""
     seen: dict[Path, str] = {}
     for path in paths:
         real = Path(path).resolve()
