@@ -714,7 +714,12 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 PDL_ENV = "GLM5SERVE_PDL"
 PDL_MODES = ("off", "wait", "prefetch")
-PDL_MODE = os.environ.get(PDL_ENV, "").strip().lower() or "wait"
+PDL_MODE = os.environ.get(PDL_ENV, "").strip().lower() or "wait"  # checked at launch (pdl_value), not at import
+
+
+def pdl_mode() -> str:
+    """``$GLM5SERVE_PDL`` as ``PDL_MODE`` reads it; ValueError for a value not in PDL_MODES."""
+    return env_choice(PDL_ENV, PDL_MODES, "wait")
 PDL_MAX_STEPS = 1
 
 
@@ -722,7 +727,7 @@ PDL_MAX_STEPS = 1
 def _pdl_capable(device_index: int) -> bool:
     """sm_90 or later on CUDA (not ROCm, whose devices torch also calls ``cuda``; not the Triton interpreter, which
     has no PTX), and a Triton whose launcher knows ``launch_pdl`` (a compile option since Triton 3.4)."""
-    if torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.version.hip or triton_interpreter.interpreting():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

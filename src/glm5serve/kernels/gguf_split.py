@@ -786,13 +786,19 @@ def pick_split_config(stype: int, M: int, N: int, K: int, sms: int = 132,
 SPLIT_Q6_K_ENV = "GLM5SERVE_SPLIT_Q6_K"
 
 
+def split_q6_k() -> bool:
+    """Whether Q6_K linear weights are served as split rows: ``$GLM5SERVE_SPLIT_Q6_K`` 1 (the default) or 0;
+    ValueError for another value."""
+    return env_choice(SPLIT_Q6_K_ENV, ("1", "0"), "1") == "1"
+
+
 def served_split(qtype: int, K: int) -> bool:
     """Whether glm5serve serves rows of K elements of ``qtype`` as split rows: ``can_split``, and for Q6_K unless
     ``$GLM5SERVE_SPLIT_Q6_K=0`` (see above).  A bool for any qtype (a torch integer too); ValueError for a
     ``$GLM5SERVE_SPLIT_Q6_K`` other than 0 or 1."""
     if not can_split(qtype, K):
         return False
-    return operator.index(qtype) != Q6_K or env_choice(SPLIT_Q6_K_ENV, ("1", "0"), "1") == "1"
+    return operator.index(qtype) != Q6_K or split_q6_k()
 
 
 def as_served(qweight: torch.Tensor, qtype: int, K: int) -> tuple[torch.Tensor, int]:

@@ -259,11 +259,6 @@ def _mla_prefill_kernel(
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _pow2(n: int) -> int:
     """Padded extent of a head dim: a power of two, at least 16 (the smallest K of ``tl.dot``)."""
@@ -477,7 +472,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     block_h = min(BLOCK_H, triton.next_power_of_2(H))
     if block_t is None:
         major = torch.cuda.get_device_capability(q_nope.device)[0] if q_nope.is_cuda else 0
-        block_t = max(1, (16 if _interpreting() else prefill_rows(major)) // block_h)
+        block_t = max(1, (16 if triton_interpreter.interpreting() else prefill_rows(major)) // block_h)
     grid = (B, triton.cdiv(max_query_len, block_t), triton.cdiv(H, block_h))
     _mla_prefill_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, query_start_loc, seq_lens, out, lse,

@@ -97,18 +97,18 @@ def kernel_settings() -> str:
     """The GGUF decode kernels vLLM will run, from ``$GLM5SERVE_GGUF_KERNELS``, ``$GLM5SERVE_PDL`` and
     ``$GLM5SERVE_SPLIT_Q6_K``, as one phrase. Raises GGUFModelError (one line naming the variable) for a value
     those do not take, so that a typo is refused before vLLM starts instead of silently keeping the default."""
-    from glm5serve.kernels.gguf_gemv import PDL_ENV, PDL_MODES, env_choice
-    from glm5serve.kernels.gguf_split import SPLIT_Q6_K_ENV
+    from glm5serve.kernels.gguf_gemv import pdl_mode
+    from glm5serve.kernels.gguf_split import split_q6_k
     from glm5serve.vllm_plugin import gguf_kernels
 
     try:
         if gguf_kernels() == "plugin":
             return "vllm-gguf-plugin's ($GLM5SERVE_GGUF_KERNELS=plugin)"
-        pdl = env_choice(PDL_ENV, PDL_MODES, "wait")
-        split_q6_k = env_choice(SPLIT_Q6_K_ENV, ("1", "0"), "1") == "1"
+        pdl = pdl_mode()
+        q6_k_split = split_q6_k()
     except ValueError as e:
         raise GGUFModelError(str(e)) from None
-    return (f"glm5serve's Triton kernels (PDL {pdl} on sm_90+; Q4_0/Q5_0/Q8_0{'/Q6_K' if split_q6_k else ''} "
+    return (f"glm5serve's Triton kernels (PDL {pdl} on sm_90+; Q4_0/Q5_0/Q8_0{'/Q6_K' if q6_k_split else ''} "
             "linear weights as split rows)")
 
 
