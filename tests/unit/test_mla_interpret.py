@@ -214,6 +214,65 @@ else:
         ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
         _assert_matches(out, lse, ref_out, ref_lse, b.num_real, torch.bfloat16)
 
+    def test_bad_index_values_read_nothing_outside():
+        """Decode with index values past their tensors (fresh-user finding: each read outside the cache or the
+        block table): a ``req_ids`` row outside the block table gives the token no key; a ``kv_len`` past the
+        block table stops at its end; block-table entries outside the cache are dropped. ``check_bounds`` fails
+        any load outside the operands; the real rows equal the reference over the keys that remain."""
+        b = make_batch([5, 16, 17], [1, 1, 1], 3, 32, 16, 8, torch.bfloat16, poison=0.0, seed=5)
+        span = b.block_table.shape[1] * 8  # 24 positions
+        req_ids = torch.tensor([7, -1, 2, 1, 2], dtype=torch.int32)
+        kv_lens = torch.tensor([5, 16, 17, 10**6, -3], dtype=torch.int32)
+        q_nope, q_pe = b.q_nope[[0, 1, 2, 1, 2]], b.q_pe[[0, 1, 2, 1, 2]]
+        bt = b.block_table.clone()
+        bt[2, 1], bt[2, 2] = 10**6, -5  # request 2 keeps its first block only
+        for splits in (1, 3):
+            out, lse = mla_decode(q_nope, q_pe, b.kv_cache, b.scale, block_table=bt, kv_lens=kv_lens,
+                                  req_ids=req_ids, num_splits=splits)
+            assert torch.equal(out[[0, 1, 4]], torch.zeros_like(out[[0, 1, 4]])) and torch.isneginf(lse[[0, 1, 4]]).all()
+            # token 2: positions 0..7 of request 2 only; token 3: request 1 over the whole span
+            topk = torch.full((5, span), -1, dtype=torch.int32)
+            topk[2, :8] = torch.arange(8)
+            topk[3] = torch.arange(span)
+            ref_out, ref_lse = mla_reference(q_nope, q_pe, b.kv_cache, b.scale, block_table=bt,
+                                             req_ids=req_ids.clamp(0, 2), topk_indices=topk)
+            _assert_matches(out[2:4], lse[2:4], ref_out[2:4], ref_lse[2:4], 2, torch.bfloat16, f"splits={splits}")
+
+    def test_prefill_bad_index_values_read_nothing_outside():
+        """Prefill, dense and sparse, with ``query_start_loc`` past the T tokens, a ``seq_len`` past the block table
+        and a block-table entry outside the cache: nothing is read or written outside the operands; tokens left
+        without a request get no key; the other rows equal the reference over the keys that remain."""
+        pre = make_batch([12, 7], [5, 3], 2, 32, 16, 4, torch.bfloat16, poison=0.0, topk=6, seed=2)
+        span = pre.block_table.shape[1] * 4
+        for topk in (None, pre.topk):
+            bad_qsl = torch.tensor([0, 5, 100], dtype=torch.int32)  # request 1 claims 95 tokens of 8
+            out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
+                                   query_start_loc=bad_qsl, seq_lens=pre.seq_lens, max_query_len=8,
+                                   topk_indices=topk)
+            kw = dict(block_table=pre.block_table, req_ids=pre.req_ids, kv_lens=pre.kv_lens, topk_indices=topk)
+            ref_out, ref_lse = mla_reference(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, **kw)
+            _assert_matches(out, lse, ref_out, ref_lse, 5, torch.bfloat16, "request 0")
+            short_qsl = torch.tensor([0, 5, 6], dtype=torch.int32)  # tokens 6 and 7 belong to no request
+            out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
+                                   query_start_loc=short_qsl, seq_lens=pre.seq_lens, max_query_len=5,
+                                   topk_indices=topk)
+            assert torch.isneginf(lse[6:]).all() == (topk is not None)  # dense leaves rows of no request unwritten
+            _assert_matches(out, lse, ref_out, ref_lse, 5, torch.bfloat16, "request 0, short")
+        long_seq = pre.seq_lens.clone()
+        long_seq[0] = 10**6  # request 0's tokens see the whole block table
+        bt = pre.block_table.clone()
+        bt[1, 1] = 10**6  # request 1 loses its positions 4..7
+        out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=bt,
+                               query_start_loc=pre.query_start_loc, seq_lens=long_seq, max_query_len=5)
+        topk = torch.full((8, span), -1, dtype=torch.int32)
+        topk[:5] = torch.arange(span)
+        for t, kv_len in zip(range(5, 8), pre.kv_lens[5:].tolist()):
+            keep = [p for p in range(kv_len) if not 4 <= p < 8]
+            topk[t, :len(keep)] = torch.tensor(keep)
+        ref_out, ref_lse = mla_reference(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=bt,
+                                         req_ids=pre.req_ids, topk_indices=topk)
+        _assert_matches(out, lse, ref_out, ref_lse, 8, torch.bfloat16, "long seq_len, bad block")
+
     def test_split_merge_equals_single_pass():
         """Split-K with more splits than key tiles (empty splits), and other tile shapes, give the one-split result."""
         b = make_batch([40, 3], [1, 1], 5, 32, 16, 8, torch.float16, seed=11)
@@ -286,6 +345,9 @@ else:
             with pytest.raises(ValueError, match=words):
                 mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
                             query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens, max_query_len=max_query_len)
+        with pytest.raises(ValueError, match="8 query tokens but no request"):
+            mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table[:0],
+                        query_start_loc=pre.query_start_loc[:1], seq_lens=pre.seq_lens[:0], max_query_len=5)
 
     # -----------------------------------------------------------------------------------------------------------
     # The vLLM backend (whichever vLLM is importable: 0.33 here, 0.25 with GLM5SERVE_VLLM025_PATH)

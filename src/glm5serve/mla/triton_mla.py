@@ -57,13 +57,15 @@ _LN2 = 0.6931471805599453
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _key_rows(pos, valid, req, BT, stride_bt, stride_kv_blk, stride_kv_tok,
+def _key_rows(pos, valid, req, BT, stride_bt, stride_kv_blk, stride_kv_tok, num_blocks,
               PAGE: tl.constexpr, PHYSICAL: tl.constexpr):
-    """Element offsets (int64) of the cache rows holding key positions ``pos`` (masked where ``~valid``)."""
+    """(element offsets (int64) of the cache rows holding key positions ``pos``, ``valid`` less the positions
+    whose block-table entry is no block of the cache). Rows where ``~valid`` are not to be read."""
     if PHYSICAL:
-        return pos.to(tl.int64) * stride_kv_tok
-    blk = tl.load(BT + req.to(tl.int64) * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-    return blk * stride_kv_blk + (pos % PAGE).to(tl.int64) * stride_kv_tok
+        return pos.to(tl.int64) * stride_kv_tok, valid
+    blk = tl.load(BT + req.to(tl.int64) * stride_bt + pos // PAGE, mask=valid, other=0)
+    valid = valid & (blk >= 0) & (blk < num_blocks)
+    return blk.to(tl.int64) * stride_kv_blk + (pos % PAGE).to(tl.int64) * stride_kv_tok, valid
 
 
 @triton.jit
@@ -72,7 +74,7 @@ def _mla_decode_kernel(
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_kv_blk, stride_kv_tok, stride_bt, stride_topk,
     stride_o_t, stride_o_h, stride_o_s, stride_l_t, stride_l_h, stride_l_s,
-    qk_scale, num_heads, num_topk, max_pos,
+    qk_scale, num_heads, num_topk, max_pos, num_reqs, num_blocks,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     SPARSE: tl.constexpr, PHYSICAL: tl.constexpr, HAS_REQ: tl.constexpr, HAS_KVLEN: tl.constexpr,
@@ -98,10 +100,14 @@ def _mla_decode_kernel(
     kv_len = 0
     if HAS_KVLEN:
         kv_len = tl.load(KVLEN + t)
+    # Index values past their tensors are dropped, never read: a token whose row is outside the block table sees
+    # no key, and dense positions stop at the end of the block table (as stale top-k positions do below).
     if SPARSE:
         n_keys = num_topk
     else:
-        n_keys = kv_len
+        n_keys = tl.maximum(tl.minimum(kv_len, max_pos), 0)
+    if not PHYSICAL:
+        n_keys = tl.where((req >= 0) & (req < num_reqs), n_keys, 0)
 
     # This split's slice of the key list, in whole BLOCK_N tiles.
     per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -121,14 +127,14 @@ def _mla_decode_kernel(
         valid = offs_n < end
         if SPARSE:
             pos = tl.load(TOPK + t64 * stride_topk + offs_n, mask=valid, other=-1)
-            valid = valid & (pos >= 0)
-            if not PHYSICAL:  # stale lists of CUDA-graph padding rows must stay inside the block table
-                valid = valid & (pos < max_pos)
+            # stale lists of CUDA-graph padding rows must stay inside the block table (or the cache)
+            valid = valid & (pos >= 0) & (pos < max_pos)
             if HAS_KVLEN:
                 valid = valid & (pos < kv_len)
         else:
             pos = offs_n
-        rows = _key_rows(pos, valid, req, BT, stride_bt, stride_kv_blk, stride_kv_tok, PAGE, PHYSICAL)
+        rows, valid = _key_rows(pos, valid, req, BT, stride_bt, stride_kv_blk, stride_kv_tok, num_blocks, PAGE,
+                                PHYSICAL)
         # (BLOCK_N, BLOCK_L) tiles of whole cache rows (16-byte async copies); the latent tile is K and V
         kv = tl.load(KV + rows[:, None] + offs_l[None, :], mask=valid[:, None] & mask_l[None, :], other=0.0)
         kp = tl.load(KV + rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
@@ -196,7 +202,7 @@ def _mla_prefill_kernel(
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_kv_blk, stride_kv_tok, stride_bt,
     stride_o_t, stride_o_h, stride_l_t, stride_l_h,
-    qk_scale, num_heads,
+    qk_scale, num_heads, num_tokens, max_pos, num_blocks,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
 ):
@@ -214,7 +220,8 @@ def _mla_prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // BLOCK_H
     heads = tl.program_id(2) * BLOCK_H + offs_m % BLOCK_H
-    mask_m = (tok < q_len) & (heads < num_heads)
+    # query rows outside the T tokens (a bad query_start_loc) are neither read nor written
+    mask_m = (tok < q_len) & (heads < num_heads) & (q_start >= 0) & (q_start + tok < num_tokens)
     limit = ctx_len + tok + 1  # keys < limit are visible (causal)
     tok64 = (q_start + tok).to(tl.int64)
     offs_l = tl.arange(0, BLOCK_L)
@@ -230,15 +237,15 @@ def _mla_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-    kv_end = tl.minimum(seq_len, ctx_len + t0 + BLOCK_T)
+    kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + t0 + BLOCK_T), max_pos)  # no key past the block table
     for start_n in range(0, kv_end, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        rows = _key_rows(pos, valid, r, BT, stride_bt, stride_kv_blk, stride_kv_tok, PAGE, False)
+        rows, valid = _key_rows(pos, valid, r, BT, stride_bt, stride_kv_blk, stride_kv_tok, num_blocks, PAGE, False)
         kv = tl.load(KV + rows[:, None] + offs_l[None, :], mask=valid[:, None] & mask_l[None, :], other=0.0)
         kp = tl.load(KV + rows[:, None] + L + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
         s = tl.dot(qn, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
-        visible = (pos[None, :] < limit[:, None]) & mask_m[:, None]
+        visible = (pos[None, :] < limit[:, None]) & mask_m[:, None] & valid[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -357,8 +364,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     Raises:
         ValueError: inconsistent shapes or dtypes (queries, cache, ``out``, ``lse``, the int32 index tensors), or
-        ``num_splits`` < 1. Index values are not checked (that would sync with the device): ``kv_lens`` past the
-        block table or ``req_ids`` past its rows read outside the cache.
+        ``num_splits`` < 1. Index values are not checked on the host (that would sync with the device); the kernel
+        never reads outside its operands instead: a token whose ``req_ids`` row is outside ``block_table`` sees
+        no key, dense positions past the block table and block-table entries outside the cache are dropped.
     """
     T, H, L, R = _check_inputs(q_nope, q_pe, kv_cache)
     sparse = topk_indices is not None
@@ -398,6 +406,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         o_t, o_h, o_s = out.stride(0), out.stride(1), 0
         l_t, l_h, l_s = lse.stride(0), lse.stride(1), 0
         dst, dst_lse = out, lse
+    # Positions below max_pos exist: the block table's span, or (physical indices) the cache's flat rows.
+    max_pos = (block_table.shape[1] * kv_cache.shape[1] if block_table is not None
+               else (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // kv_cache.stride(1)) + kv_cache.shape[1])
     # Absent int32 operands are never read (constexpr flags); any int32 tensor at hand stands in for them.
     dummy = block_table if block_table is not None else topk_indices
     bt = dummy
@@ -409,7 +420,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache.stride(0), kv_cache.stride(1), bt.stride(0) if block_table is not None else 0,
         topk_indices.stride(0) if sparse else 0,
         o_t, o_h, o_s, l_t, l_h, l_s,
-        scale * _LOG2E, H, num_topk, block_table.shape[1] * kv_cache.shape[1] if block_table is not None else 0,
+        scale * _LOG2E, H, num_topk, max_pos, block_table.shape[0] if block_table is not None else 0,
+        kv_cache.shape[0],
         L=L, R=R, BLOCK_L=_pow2(L), BLOCK_R=_pow2(R),
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PAGE=kv_cache.shape[1],
         SPARSE=sparse, PHYSICAL=physical, HAS_REQ=req_ids is not None, HAS_KVLEN=kv_lens is not None,
@@ -447,8 +459,11 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         out (T, H, L) in the query dtype, lse (T, H) fp32.
 
     Raises:
-        ValueError: as :func:`mla_decode`, and a ``max_query_len`` outside 1..T (rows past it would be left
-        unwritten; one below the longest ``q_len`` is not detected, as that would sync with the device).
+        ValueError: as :func:`mla_decode`, tokens without a request (B = 0 < T), and a ``max_query_len`` outside
+        1..T (rows past it would be left unwritten; one below the longest ``q_len`` is not detected, as that would
+        sync with the device). As in :func:`mla_decode`, bad index values are never read outside the operands:
+        ``query_start_loc`` rows outside the T tokens are skipped, ``seq_lens`` past the block table and
+        block-table entries outside the cache are dropped.
     """
     T, H, L, R = _check_inputs(q_nope, q_pe, kv_cache)
     B = seq_lens.shape[0]
@@ -457,11 +472,15 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         ("seq_lens", seq_lens, 1, B), ("topk_indices", topk_indices, 2, T)))
     if T and not 1 <= max_query_len <= T:  # too small leaves rows unwritten; the true maximum would need a sync
         raise ValueError(f"max_query_len must be in 1..{T} (the tokens), not {max_query_len}")
+    if T and not B:
+        raise ValueError(f"{T} query tokens but no request (seq_lens is empty)")
     if topk_indices is not None:
         tokens = torch.arange(T, device=q_nope.device, dtype=query_start_loc.dtype)
+        # B for tokens past the last request (a bad query_start_loc): mla_decode gives them no key
         req_ids = (torch.searchsorted(query_start_loc[1:B + 1], tokens, right=True)).to(torch.int32)
+        req = req_ids.clamp(max=B - 1)
         q_lens = query_start_loc[1:B + 1] - query_start_loc[:B]
-        kv_lens = (seq_lens[req_ids] - q_lens[req_ids] + tokens - query_start_loc[req_ids] + 1).to(torch.int32)
+        kv_lens = (seq_lens[req] - q_lens[req] + tokens - query_start_loc[req] + 1).to(torch.int32)
         return mla_decode(q_nope, q_pe, kv_cache, scale, block_table=block_table, kv_lens=kv_lens,
                           req_ids=req_ids, topk_indices=topk_indices, num_splits=1, out=out, lse=lse,
                           block_n=block_n)
@@ -479,7 +498,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        scale * _LOG2E, H,
+        scale * _LOG2E, H, T, block_table.shape[1] * kv_cache.shape[1], kv_cache.shape[0],
         L=L, R=R, BLOCK_L=_pow2(L), BLOCK_R=_pow2(R),
         BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=block_n, PAGE=kv_cache.shape[1],
         num_warps=num_warps, num_stages=num_stages,
