@@ -384,13 +384,15 @@ class ReferenceModel:
         ``num_hidden_layers + 1`` fp32 (T, H) tensors: the embeddings, then the residual stream after each layer
         (what a forward hook on transformers' ``GlmMoeDsaDecoderLayer`` returns), for locating a divergence.
         A partial model (``has_head`` False) has ``n_layers + 1`` of them, no logits (``(None, hidden)``) and
-        needs ``capture=True`` (ValueError otherwise). ValueError too for ids that are not one integer sequence
-        (a batch, floats) or lie outside the vocabulary.
+        needs ``capture=True`` (ValueError otherwise). ValueError too for no ids, ids that are not one integer
+        sequence (a batch, floats) or ids outside the vocabulary.
         """
         if not self.has_head and not capture:
             raise ValueError(f"this model holds only its first {self.n_layers} layers and no output head: "
                              "call it with capture=True for the hidden states")
         ids = torch.as_tensor(input_ids, device=self.device)
+        if ids.numel() == 0:  # as_tensor([]) is float32: the dtype message below would mislead
+            raise ValueError("input_ids holds no token: a forward pass needs at least one")
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be one sequence of integer token ids, shape (T,), not "
                              f"{tuple(ids.shape)} {ids.dtype}")
@@ -435,13 +437,18 @@ class ReferenceModel:
         through the KV cache. Greedy = argmax (lowest id on ties); otherwise sampling at ``temperature`` with a
         ``torch.Generator`` seeded by ``seed``; a temperature below 1e-5 is greedy, as in vLLM (``_SAMPLING_EPS``,
         vllm/sampling_params.py), where logits / temperature would overflow. Stops after yielding a token in
-        ``stop_ids``. Raises ValueError for an empty prompt, a negative ``max_new_tokens`` or, when sampling, a
-        temperature that is not finite > 0.
+        ``stop_ids``. Raises ValueError for an empty prompt, a negative ``max_new_tokens``, a prompt plus
+        ``max_new_tokens`` past the context length (``max_position_embeddings``, as vLLM refuses a request past
+        ``max_model_len``) or, when sampling, a temperature that is not finite > 0.
         """
         if len(prompt_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
+        n_ctx = self.cfg.max_position_embeddings
+        if len(prompt_ids) + max_new_tokens > n_ctx:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                             f"context length of {n_ctx} tokens")
         if not greedy and not (math.isfinite(temperature) and temperature > 0):  # -1 would invert the distribution
             raise ValueError(f"sampling needs a finite temperature > 0, not {temperature}")
         greedy = greedy or temperature < 1e-5

@@ -172,6 +172,14 @@ def test_bad_arguments_are_errors_not_garbage(tiny, tiny_checkpoint):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
             tiny.forward(ids)
     assert tiny.forward(torch.tensor([1, 2], dtype=torch.int32)).shape == (2, vocab)  # any integer dtype will do
+    for ids in ([], torch.tensor([], dtype=torch.long)):  # [] used to be named "(0,) torch.float32"
+        with pytest.raises(ValueError, match="input_ids holds no token"):
+            tiny.forward(ids)
+    n_ctx = tiny.cfg.max_position_embeddings  # as vLLM refuses a request past max_model_len (the CLI did already)
+    with pytest.raises(ValueError, match=f"a prompt of 2 tokens \+ max_new_tokens {n_ctx - 1} exceeds the context "
+                                         f"length of {n_ctx} tokens"):
+        tiny.generate([1, 2], n_ctx - 1)
+    assert len(tiny.generate([1] * (n_ctx - 2), 2)) == 2  # exactly the context length is fine
     for eps in (float("nan"), -1.0):
         with pytest.raises(ValueError, match="qa_kv_norm_eps must be a positive finite number"):
             ReferenceModel.from_gguf(tiny_checkpoint, qa_kv_norm_eps=eps)
