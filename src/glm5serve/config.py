@@ -149,6 +149,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         if n_blocks > last + 1:
             where = f"stop at blk.{last}" if last >= 0 else "hold no blk.N tensor"
             raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file's tensors {where}", file=path)
+        if n_blocks < last + 1:  # llama.cpp refuses tensors it did not load ("wrong number of tensors")
+            raise GGUFModelError(f"{ARCH}.block_count={n_blocks} but the file holds tensors up to blk.{last}",
+                                 file=path)
     n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
     if n_mtp < 0 or n_layers < 1:  # before transformers' own validation, which names neither key nor file

@@ -404,6 +404,8 @@ def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, ca
     ("glm-dsa.rope.freq_base", -5.0, "is not a positive finite number"),
     ("glm-dsa.expert_weights_scale", 0.0, "is not a positive finite number"),
     ("glm-dsa.block_count", 4_000_000_000, "but the file's tensors stop at blk.3"),
+    # too small: it was reported as the MTP tensors missing from what is a main layer (fresh-user finding)
+    ("glm-dsa.block_count", 2, "glm-dsa.block_count=2 but the file holds tensors up to blk.3"),
     # each names its key (fresh-user finding: one message named none of the three)
     ("glm-dsa.attention.head_count", 0, "glm-dsa.attention.head_count=0 is not positive"),
     ("glm-dsa.attention.indexer.head_count", 0, "glm-dsa.attention.indexer.head_count=0 is not positive"),
