@@ -239,39 +239,57 @@ else:
             _assert_matches(out[2:4], lse[2:4], ref_out[2:4], ref_lse[2:4], 2, torch.bfloat16, f"splits={splits}")
 
     def test_prefill_bad_index_values_read_nothing_outside():
-        """Prefill, dense and sparse, with ``query_start_loc`` past the T tokens, a ``seq_len`` past the block table
-        and a block-table entry outside the cache: nothing is read or written outside the operands; tokens left
-        without a request get no key; the other rows equal the reference over the keys that remain."""
+        """Prefill, dense and sparse, with a bad ``query_start_loc`` (past the T tokens, short, decreasing, not
+        starting at 0), a ``seq_len`` past the block table (up to int32's maximum) and a block-table entry outside
+        the cache: nothing is read or written outside the operands; a token of no request gets (0, -inf) when sparse
+        and is left as it was when dense; the rows of well-formed requests equal the reference over the keys that
+        remain (fresh-user findings: a decreasing qsl took tokens from request 0, a taller block table gave tokens
+        of no request keys, an int32 sum wrapped)."""
         pre = make_batch([12, 7], [5, 3], 2, 32, 16, 4, torch.bfloat16, poison=0.0, topk=6, seed=2)
         span = pre.block_table.shape[1] * 4
+        i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        taller = torch.cat([pre.block_table, pre.block_table[:1]])  # vLLM's tables have rows past num_reqs
         for topk in (None, pre.topk):
-            bad_qsl = torch.tensor([0, 5, 100], dtype=torch.int32)  # request 1 claims 95 tokens of 8
-            out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
-                                   query_start_loc=bad_qsl, seq_lens=pre.seq_lens, max_query_len=8,
-                                   topk_indices=topk)
             kw = dict(block_table=pre.block_table, req_ids=pre.req_ids, kv_lens=pre.kv_lens, topk_indices=topk)
             ref_out, ref_lse = mla_reference(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, **kw)
-            _assert_matches(out, lse, ref_out, ref_lse, 5, torch.bfloat16, "request 0")
-            short_qsl = torch.tensor([0, 5, 6], dtype=torch.int32)  # tokens 6 and 7 belong to no request
-            out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
-                                   query_start_loc=short_qsl, seq_lens=pre.seq_lens, max_query_len=5,
-                                   topk_indices=topk)
-            assert torch.isneginf(lse[6:]).all() == (topk is not None)  # dense leaves rows of no request unwritten
-            _assert_matches(out, lse, ref_out, ref_lse, 5, torch.bfloat16, "request 0, short")
-        long_seq = pre.seq_lens.clone()
-        long_seq[0] = 10**6  # request 0's tokens see the whole block table
+            # (query_start_loc, block table, rows that match the reference, rows of no request)
+            for qsl, bt, good, orphan in (
+                    (i32(0, 5, 100), pre.block_table, range(8), []),  # clamped to the 8 tokens: as (0, 5, 8)
+                    (i32(-9, 5, 8), pre.block_table, range(5, 8), range(5)),  # from -1: request 0 is skipped
+                    (i32(0, 5, 6), taller, range(5), [6, 7]),
+                    (i32(0, 5, 3), pre.block_table, range(5), [5, 6, 7]),
+                    (i32(2, 5, 8), pre.block_table, range(5, 8), [0, 1])):
+                out = torch.full_like(pre.q_nope, 7.0)
+                lse = torch.full(pre.q_nope.shape[:2], 7.0)
+                mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=bt, query_start_loc=qsl,
+                            seq_lens=pre.seq_lens, max_query_len=8, topk_indices=topk, out=out, lse=lse)
+                what = f"qsl={qsl.tolist()} sparse={topk is not None}"
+                good = list(good)
+                _assert_matches(out[good], lse[good], ref_out[good], ref_lse[good], len(good), torch.bfloat16, what)
+                for t in orphan:
+                    want = (0.0, float("-inf")) if topk is not None else (7.0, 7.0)
+                    assert (out[t] == want[0]).all() and (lse[t] == want[1]).all(), f"{what}: token {t}"
+            # request 0's tokens see the whole block table (sparse: their whole list) however far seq_len points
+            whole = torch.full((8, span), -1, dtype=torch.int32)
+            whole[:5] = torch.arange(span)
+            for seq_len in (10**6, 2**31 - 1):
+                out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
+                                       query_start_loc=pre.query_start_loc, seq_lens=i32(seq_len, 7),
+                                       max_query_len=5, topk_indices=topk)
+                ref = mla_reference(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=pre.block_table,
+                                    req_ids=pre.req_ids, topk_indices=whole if topk is None else topk)
+                _assert_matches(out, lse, *ref, 5, torch.bfloat16, f"seq_len={seq_len} sparse={topk is not None}")
         bt = pre.block_table.clone()
         bt[1, 1] = 10**6  # request 1 loses its positions 4..7
         out, lse = mla_prefill(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=bt,
-                               query_start_loc=pre.query_start_loc, seq_lens=long_seq, max_query_len=5)
+                               query_start_loc=pre.query_start_loc, seq_lens=pre.seq_lens, max_query_len=5)
         topk = torch.full((8, span), -1, dtype=torch.int32)
-        topk[:5] = torch.arange(span)
-        for t, kv_len in zip(range(5, 8), pre.kv_lens[5:].tolist()):
-            keep = [p for p in range(kv_len) if not 4 <= p < 8]
+        for t, kv_len in enumerate(pre.kv_lens.tolist()):
+            keep = [p for p in range(kv_len) if t < 5 or not 4 <= p < 8]
             topk[t, :len(keep)] = torch.tensor(keep)
         ref_out, ref_lse = mla_reference(pre.q_nope, pre.q_pe, pre.kv_cache, pre.scale, block_table=bt,
                                          req_ids=pre.req_ids, topk_indices=topk)
-        _assert_matches(out, lse, ref_out, ref_lse, 8, torch.bfloat16, "long seq_len, bad block")
+        _assert_matches(out, lse, ref_out, ref_lse, 8, torch.bfloat16, "bad block")
 
     def test_split_merge_equals_single_pass():
         """Split-K with more splits than key tiles (empty splits), and other tile shapes, give the one-split result."""
@@ -336,6 +354,10 @@ else:
                 (dict(kv_lens=two.kv_lens.long()), r"kv_lens \(2,\) torch.int64 must be a 1-D int32"),
                 (dict(block_table=two.block_table[0]), r"block_table \(\d+,\) torch.int32 must be a 2-D"),
                 (dict(num_splits=0), "num_splits must be a positive integer, not 0"),
+                # fresh-user findings: strided index tensors were read as contiguous; a short req_ids past its storage
+                (dict(kv_lens=torch.stack([two.kv_lens] * 2, 1)[:, 0]), r"kv_lens \(2,\) must be contiguous"),
+                (dict(block_table=two.block_table.t().contiguous().t()), r"block_table \(2, \d+\) must be contig"),
+                (dict(req_ids=torch.zeros(1, dtype=torch.int32)), r"req_ids \(1,\): its storage holds fewer than"),
                 (dict(num_splits=-1), "num_splits must be a positive integer, not -1")):
             with pytest.raises(ValueError, match=words):
                 mla_decode(two.q_nope, two.q_pe, two.kv_cache, two.scale, **{**kw, **bad})

@@ -208,20 +208,23 @@ def _mla_prefill_kernel(
 ):
     """Dense causal prefill: rows of the tile are (query token, head) pairs of one request."""
     r = tl.program_id(0)
-    q_start = tl.load(QSL + r)
-    q_len = tl.load(QSL + r + 1) - q_start
+    # Bad values are clamped first so that no int32 sum below wraps; no valid value changes (0 <= qsl <= T,
+    # seq_len <= max_pos, the block table's span).
+    q_start = tl.minimum(tl.maximum(tl.load(QSL + r), -1), num_tokens)
+    q_len = tl.minimum(tl.maximum(tl.load(QSL + r + 1), -1), num_tokens) - q_start
     t0 = tl.program_id(1) * BLOCK_T
     if t0 >= q_len:
         return
-    seq_len = tl.load(SEQ + r)
+    seq_len = tl.minimum(tl.maximum(tl.load(SEQ + r), -1), max_pos + num_tokens)
     ctx_len = seq_len - q_len
+    kv_end = tl.maximum(tl.minimum(tl.minimum(seq_len, ctx_len + t0 + BLOCK_T), max_pos), 0)
 
     BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_H
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // BLOCK_H
     heads = tl.program_id(2) * BLOCK_H + offs_m % BLOCK_H
     # query rows outside the T tokens (a bad query_start_loc) are neither read nor written
-    mask_m = (tok < q_len) & (heads < num_heads) & (q_start >= 0) & (q_start + tok < num_tokens)
+    mask_m = (tok < q_len) & (heads < num_heads) & (q_start >= 0)
     limit = ctx_len + tok + 1  # keys < limit are visible (causal)
     tok64 = (q_start + tok).to(tl.int64)
     offs_l = tl.arange(0, BLOCK_L)
@@ -237,7 +240,6 @@ def _mla_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-    kv_end = tl.minimum(tl.minimum(seq_len, ctx_len + t0 + BLOCK_T), max_pos)  # no key past the block table
     for start_n in range(0, kv_end, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
@@ -330,8 +332,12 @@ def _check_operands(T: int, H: int, L: int, dtype: torch.dtype, *, out=None, lse
     if lse is not None and (tuple(lse.shape) != (T, H) or lse.dtype != torch.float32):
         raise ValueError(f"lse {tuple(lse.shape)} {lse.dtype} must be ({T}, {H}) torch.float32")
     for name, x, dims, rows in int32:
-        if x is not None and (x.dim() != dims or x.dtype != torch.int32 or x.shape[0] < rows):
+        if x is None:
+            continue
+        if x.dim() != dims or x.dtype != torch.int32 or x.shape[0] < rows:
             raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} must be a {dims}-D int32 tensor of >= {rows} rows")
+        if x.numel() and x.stride(-1) != 1:  # the kernels index the last dim as contiguous
+            raise ValueError(f"{name} {tuple(x.shape)} must be contiguous in its last dim, not stride {x.stride(-1)}")
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, scale: float, *,
@@ -380,8 +386,10 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     _check_operands(T, H, L, q_nope.dtype, out=out, lse=lse, int32=(
         ("block_table", block_table, 2, 1 if T else 0), ("kv_lens", kv_lens, 1, T),
         # no row count for req_ids: the backend hands the real tokens' view of a buffer whose zeroed tail serves
-        # the CUDA-graph padding tokens (``backend.TritonMLASparseMetadataBuilder``)
+        # the CUDA-graph padding tokens (``backend.TritonMLASparseMetadataBuilder``); its storage must hold T
         ("req_ids", req_ids, 1, 0), ("topk_indices", topk_indices, 2, T)))
+    if req_ids is not None and req_ids.untyped_storage().nbytes() < (req_ids.storage_offset() + T) * 4:
+        raise ValueError(f"req_ids {tuple(req_ids.shape)}: its storage holds fewer than the {T} rows read")
     num_topk = topk_indices.shape[1] if sparse else 0
     if num_splits is None:
         num_splits = default_num_splits(T, H, num_topk if sparse else 8192, q_nope.device, block_n, block_h)
@@ -462,8 +470,10 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         ValueError: as :func:`mla_decode`, tokens without a request (B = 0 < T), and a ``max_query_len`` outside
         1..T (rows past it would be left unwritten; one below the longest ``q_len`` is not detected, as that would
         sync with the device). As in :func:`mla_decode`, bad index values are never read outside the operands:
-        ``query_start_loc`` rows outside the T tokens are skipped, ``seq_lens`` past the block table and
-        block-table entries outside the cache are dropped.
+        ``query_start_loc`` values are clamped to -1..T (a request from -1 is skipped), ``seq_lens`` past the
+        block table and block-table entries outside the cache are dropped, and a token that ``query_start_loc``
+        gives to no request is not attended for: dense, its rows of ``out``/``lse`` are left as they were;
+        sparse, it gets ``out = 0``, ``lse = -inf``.
     """
     T, H, L, R = _check_inputs(q_nope, q_pe, kv_cache)
     B = seq_lens.shape[0]
@@ -475,13 +485,16 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     if T and not B:
         raise ValueError(f"{T} query tokens but no request (seq_lens is empty)")
     if topk_indices is not None:
-        tokens = torch.arange(T, device=q_nope.device, dtype=query_start_loc.dtype)
-        # B for tokens past the last request (a bad query_start_loc): mla_decode gives them no key
-        req_ids = (torch.searchsorted(query_start_loc[1:B + 1], tokens, right=True)).to(torch.int32)
-        req = req_ids.clamp(max=B - 1)
-        q_lens = query_start_loc[1:B + 1] - query_start_loc[:B]
-        kv_lens = (seq_lens[req] - q_lens[req] + tokens - query_start_loc[req] + 1).to(torch.int32)
-        return mla_decode(q_nope, q_pe, kv_cache, scale, block_table=block_table, kv_lens=kv_lens,
+        # token t belongs to request b where qsl[b] <= t < qsl[b + 1]; a token of no request (a bad
+        # query_start_loc) gets row -1, which mla_decode gives no key. (B, T) compares: exact for any qsl.
+        tokens = torch.arange(T, device=q_nope.device, dtype=torch.int64)
+        qsl = query_start_loc[:B + 1].long().clamp(-1, T)  # as the dense kernel clamps it
+        inside = (qsl[:B, None] <= tokens) & (tokens < qsl[1:, None]) & (qsl[:B, None] >= 0)
+        req = inside.int().argmax(0)
+        req_ids = torch.where(inside.any(0), req, -1).to(torch.int32)
+        # int64, then clamped: int32 sums of bad lengths would wrap
+        kv_lens = (seq_lens.long()[req] - (qsl[req + 1] - qsl[req]) + tokens - qsl[req] + 1).clamp(0, 2**31 - 1)
+        return mla_decode(q_nope, q_pe, kv_cache, scale, block_table=block_table[:B], kv_lens=kv_lens.to(torch.int32),
                           req_ids=req_ids, topk_indices=topk_indices, num_splits=1, out=out, lse=lse,
                           block_n=block_n)
     out = torch.empty((T, H, L), dtype=q_nope.dtype, device=q_nope.device) if out is None else out
