@@ -70,6 +70,8 @@ def _eps(value: str) -> float | str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``glm5serve generate``: stream the reference engine's continuation of ``--prompt`` to stdout. Returns the
+    exit status: 0, or 2 after one line on stderr naming the file (bad GGUF, prompt past the context length...)."""
     from glm5serve.config import eog_token_ids
     from glm5serve import verify
     from glm5serve.reference import ReferenceModel

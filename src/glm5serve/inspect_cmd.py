@@ -113,6 +113,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``glm5serve inspect``: print every tensor and the summary of ``args.model`` (tables, or JSON with ``--json``);
+    returns 0. Bad input raises GGUFModelError, which :func:`glm5serve.cli.main` prints as one line."""
     if args.model is None:
         from glm5serve.cache import default_checkpoint
 

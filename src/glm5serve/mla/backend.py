@@ -86,6 +86,7 @@ class TritonMLASparseBackend(AttentionBackend):
     def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype, block_size, use_mla: bool,
                              has_sink: bool, use_sparse: bool, use_mm_prefix: bool,
                              device_capability: DeviceCapability) -> str | None:
+        """None if this backend can serve the current vLLM config, else the reason (vLLM's selector prints it)."""
         if kv_cache_dtype not in (None, "auto", "float16", "bfloat16"):
             return "glm5serve Triton sparse MLA supports only an fp16/bf16 KV cache"
         from vllm.config import get_current_vllm_config_or_none
@@ -104,6 +105,7 @@ class TritonMLASparseBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM's MLA cache layout: one latent row ``[c_kv | k_pe]`` of ``head_size`` per token slot."""
         return (num_blocks, block_size, head_size)  # vLLM 0.25 asks; 0.33 derives it from the spec
 
 
@@ -228,6 +230,8 @@ else:  # vLLM 0.25
 
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
                   fast_build: bool = False) -> TritonMLASparseMetadata:
+            """The step's metadata; ``req_id_per_token`` is a view of a buffer whose zeroed tail serves the
+            CUDA-graph padding tokens (graphs capture its address, so it is refilled, never reallocated)."""
             cm = common_attn_metadata
             starts = np.asarray(cm.query_start_loc_cpu, dtype=np.int32)
             req_id_per_token = np.repeat(np.arange(len(starts) - 1, dtype=np.int32), np.diff(starts))

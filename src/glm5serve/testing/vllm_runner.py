@@ -467,6 +467,7 @@ class EngineSession:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line of this module (see the module docstring); returns the process exit status."""
     ap = argparse.ArgumentParser(prog="python -m glm5serve.testing.vllm_runner", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--batches", help="JSON file: list of batches of prompts (token ids)")

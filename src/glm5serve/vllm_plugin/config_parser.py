@@ -145,6 +145,7 @@ class GLM5ConfigParser(GGUFConfigParser):
     """vllm-gguf-plugin's ``gguf`` config parser, plus: a GLM-5 GGUF file yields :func:`glm5_config`."""
 
     def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+        """(config dict, ``PretrainedConfig``) of ``model``; GLM-5 GGUFs from their metadata, others as the plugin."""
         if is_glm_dsa_gguf(model):
             cfg = glm5_config(model)
             return cfg.to_dict(), cfg

@@ -30,6 +30,8 @@ class GLM5GGUFModelLoader(GGUFModelLoader):
     """``load_format="gguf"``: checked loading for ``glm_moe_dsa``, the plugin's loader otherwise."""
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
+        """Build the model and load the GGUF into it (GLM-5: every tensor checked against the schema, GGUFModelError
+        naming file and tensor otherwise); then regroup split-row weights for glm5serve's kernels."""
         if not GlmDsaWeightsAdapter.matches(model_config.hf_config):
             return super().load_model(vllm_config, model_config, prefix)
         _check_parallel(vllm_config, model_config)
@@ -48,6 +50,8 @@ class GLM5GGUFModelLoader(GGUFModelLoader):
         return model
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
+        """Load the GGUF's weights into a ``model`` vLLM built already (the loader interface's other entry point),
+        GLM-5 checked as in :meth:`load_model`."""
         if not GlmDsaWeightsAdapter.matches(model_config.hf_config):
             return super().load_weights(model, model_config)
         self._prepare_adapter(model_config).load_into(model, model_config)
