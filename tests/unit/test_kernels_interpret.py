@@ -733,6 +733,9 @@ else:
         with pytest.raises(Exception, match=r"_copy: create_masked_store of 2 lane\(s\) out of bounds"):
             _copy[(1,)](buf[:8], dst, 8, 0, MASKED=False)  # reads 8, writes 8 into a view of 6
         assert out[6:].eq(0).all()  # the checked store was refused before it wrote
+        # a read that runs from one tensor into the next one in memory: each lane is in some tensor, not all in one
+        with pytest.raises(Exception, match=r"_copy: create_masked_load: its lanes lie in more than one tensor"):
+            _copy[(1,)](buf[:4], buf[4:12], 8, 0, MASKED=False)
 
         @triton.jit
         def _words(src_ptr, dst_ptr, at, n):  # int32 words of a uint8 tensor, from byte `at`, as the GGUF kernels

@@ -17,7 +17,9 @@ def check_bounds() -> None:
     row's tail) do not.  Masked-off lanes are not checked (the GPU does not touch them either).  A violation raises
     :class:`OutOfBounds` (the interpreter reports it as ``InterpreterError``) naming the kernel, the operation, the
     number of bad lanes and the first one's offset from the nearest tensor argument.  A launch made while another is
-    being interpreted (a pre-run hook) checks against its own tensors, then the outer launch's again.  Needs
+    being interpreted (a pre-run hook) checks against its own tensors, then the outer launch's again.  All live
+    lanes of one access must lie in one tensor: an access that runs from one into another (adjacent in memory) is
+    out of bounds too; one that lands wholly in the wrong tensor is not caught.  Needs
     ``TRITON_INTERPRET=1`` (triton 3.6-3.8 ``GridExecutor`` / ``InterpreterBuilder``).
     """
     import inspect
@@ -67,9 +69,14 @@ def check_bounds() -> None:
         live = np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape) if mask is not None else True
         size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
         inside = np.zeros(p.shape, dtype=bool)
+        whole = False  # one tensor holds every live lane
         for lo, hi in launch["ranges"]:
-            inside |= (p >= lo) & (p + size <= hi)
+            in_r = (p >= lo) & (p + size <= hi)
+            inside |= in_r
+            whole = whole or bool(np.all(in_r | ~live))
         bad = live & ~inside
+        if not bad.any() and not whole:  # e.g. a row read running from one tensor into the next one in memory
+            raise OutOfBounds(f"{launch['kernel']}: {op}: its lanes lie in more than one tensor argument")
         if bad.any():
             first = int(p[bad].flat[0])
             lo, hi = min(launch["ranges"], key=lambda r: min(abs(first - r[0]), abs(first - r[1])),
