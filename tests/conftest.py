@@ -91,17 +91,22 @@ def gemma3_gguf() -> Path:
 
 
 def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, replace=None, drop_keys=(),
-            set_keys=None) -> Path:
+            set_keys=None, alignment: int | None = None) -> Path:
     """Copy a single-file GGUF through gguf-py, dropping/adding/replacing tensors (name -> (array, raw_dtype))
-    and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type)."""
+    and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type); ``alignment``
+    writes ``general.alignment`` and pads the tensor data to it."""
     import numpy as np
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     add, replace, set_keys = add or {}, replace or {}, set_keys or {}
     r = GGUFReader(src)
     w = GGUFWriter(dst, arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        if alignment is not None and key == "general.alignment":
             continue
         sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
         value, vtype = set_keys.get(key, f.contents()), f.types[0]

@@ -93,6 +93,7 @@ class _Reader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size, expected, previous = len(self.data), 0, None
+        align = int(self.alignment)  # gguf-py keeps general.alignment as np.uint32: -n // it would overflow
         for field in fields:
             _, name, _, dims, raw_dtype, offset = field.parts
             tensor = bytes(name).decode("utf-8", "replace")
@@ -111,7 +112,7 @@ class _Reader(GGUFReader):
             n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
             if start_offs + expected + n_bytes > size:
                 raise _TensorProblem(tensor, "truncated file: tensor data runs past the end of the file")
-            expected, previous = expected + -(-n_bytes // self.alignment) * self.alignment, tensor
+            expected, previous = expected + -(-n_bytes // align) * align, tensor
         super()._build_tensors(start_offs, fields)
 
 

@@ -398,6 +398,22 @@ def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, ca
     _verify_fail(path, capsys, name, "overlapping or misplaced")
 
 
+@pytest.mark.parametrize("alignment", [8, 64])
+def test_custom_alignment_is_read(alignment, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """``general.alignment`` other than 32 is legal GGUF (llama.cpp reads it): every command crashed on it with an
+    OverflowError traceback, gguf-py keeping the value as np.uint32 (fresh-user finding). Same logits as before."""
+    import torch
+
+    from glm5serve.reference import ReferenceModel
+
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / f"align{alignment}.gguf", alignment=alignment)
+    assert GGUFModel(path).metadata["general.alignment"] == alignment
+    assert main(["inspect", str(path)]) == 0
+    ids = [1, 5, 9, 2]
+    original = ReferenceModel.from_gguf(tiny_checkpoint).forward(ids)
+    assert torch.equal(ReferenceModel.from_gguf(path).forward(ids), original)
+
+
 @pytest.mark.parametrize("key,value,words", [
     ("glm-dsa.attention.layer_norm_rms_epsilon", -1.0, "is not a positive finite number"),
     ("glm-dsa.attention.layer_norm_rms_epsilon", float("nan"), "is not a positive finite number"),
