@@ -137,6 +137,27 @@ def test_an_option_without_its_value_is_refused(tiny_checkpoint, capsys, args):
     assert captured.err.strip() == f"glm5serve serve: {args[0]} needs a value" and not captured.out
 
 
+def test_options_are_read_as_vllm_spells_them(tiny_checkpoint, tmp_path, capsys):
+    """vLLM reads ``--tensor_parallel_size 3`` as ``--tensor-parallel-size 3`` and takes abbreviations: the TP check
+    was skipped for both and TP 1 printed, and a header with ``--load_format glm5-synthetic`` was refused
+    (fresh-user finding). Underscores are read as dashes; an abbreviation of a checked option is refused."""
+    from glm5serve.synthetic import write_header
+
+    for args in (["--tensor_parallel_size", "3"], ["--tensor_parallel-size=3"], ["--tensor-parallel-size", "3"]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "does not divide by TP=3" in err, (args, err)
+    for args in (["--tensor-parallel", "2"], ["--tensor-parallel=2"]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == "glm5serve serve: --tensor-parallel: write --tensor-parallel-size in full (glm5serve " \
+                              "checks it before vLLM)", err
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--tensor_parallel_size", "2"]) == 0
+    assert "tensor parallel: 2 " in capsys.readouterr().out
+    header = write_header(tmp_path / "h.gguf", "tiny")
+    assert main(["serve", str(header), "--dry-run", "--load_format", "glm5-synthetic"]) == 0
+
+
 def test_the_printed_command_pastes_into_a_shell(tiny_checkpoint, tmp_path, capsys):
     """A model path with spaces is quoted in the printed vLLM command (fresh-user finding)."""
     import shlex

@@ -32,12 +32,26 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def option(args: list[str], *names: str, default=None):
-    """The value of a vLLM command-line option (``--name V`` or ``--name=V``; the last one wins).
+def _vllm_spelling(arg: str) -> str:
+    """``arg`` as vLLM's ``FlexibleArgumentParser`` reads it: in a ``--name`` (before any ``=`` or ``.``) underscores
+    are dashes (vllm/utils/argparse_utils.py, ``parse_args``)."""
+    if not arg.startswith("--"):
+        return arg
+    key, eq, value = arg.partition("=")
+    head, dot, tail = key[2:].partition(".")
+    return f"--{head.replace('_', '-')}{dot}{tail}{eq}{value}"
 
-    Raises GGUFModelError for ``--name`` as the last argument or followed by another option (no value)."""
+
+def option(args: list[str], *names: str, default=None):
+    """The value of a vLLM command-line option (``--name V`` or ``--name=V``, underscores for dashes as vLLM allows;
+    the last one wins).
+
+    Raises GGUFModelError for ``--name`` as the last argument or followed by another option (no value), and for an
+    abbreviation of a ``--name`` (argparse would take ``--tensor-parallel 3``; glm5serve checks the value first)."""
     value = default
-    for i, a in enumerate(args):
+    for i, arg in enumerate(args):
+        a = _vllm_spelling(arg)
+        key = a.partition("=")[0]
         for n in names:
             if a == n:
                 if i + 1 == len(args) or (args[i + 1].startswith("-") and not args[i + 1][1:2].isdigit()):
@@ -45,6 +59,8 @@ def option(args: list[str], *names: str, default=None):
                 value = args[i + 1]
             elif a.startswith(n + "="):
                 value = a[len(n) + 1:]
+            elif n.startswith("--") and len(key) > 2 and key != n and n.startswith(key):
+                raise GGUFModelError(f"{arg.partition('=')[0]}: write {n} in full (glm5serve checks it before vLLM)")
     return value
 
 
