@@ -579,13 +579,14 @@ def _read_record(path) -> dict:
             at = f"runs[{i}].results[{j}]"
             need(isinstance(r, dict), at, "an object")
             need(count(r.get("concurrency")), f"{at}.concurrency", "an integer >= 1")
-            need(r.get("step_ms") is None or (number(r["step_ms"]) and r["step_ms"] > 0), f"{at}.step_ms",
-                 "a finite number > 0 or null")
+            # bounded (a step of 1e9 ms is 11 days): 1e300 ms passed and overflowed the projection's fits
+            need(r.get("step_ms") is None or (number(r["step_ms"]) and 0 < r["step_ms"] <= 1e9), f"{at}.step_ms",
+                 "a number in (0, 1e9] ms or null")
             profile = r.get("profile")
             need(profile is None or isinstance(profile, dict), f"{at}.profile", "an object or null")
             gpu = (profile or {}).get("gpu_us_per_step")
-            need(gpu is None or (number(gpu) and gpu > 0), f"{at}.profile.gpu_us_per_step",
-                 "a finite number > 0 or null")
+            need(gpu is None or (number(gpu) and 0 < gpu <= 1e12), f"{at}.profile.gpu_us_per_step",
+                 "a number in (0, 1e12] us or null")
             decode_only = (profile or {}).get("decode_only")
             need(decode_only is None or isinstance(decode_only, bool), f"{at}.profile.decode_only", "true or false")
             groups = (profile or {}).get("groups")

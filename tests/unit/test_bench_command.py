@@ -431,13 +431,16 @@ def _set(rec: dict, path: str, value) -> dict:
     ("runs.0.mode", ["graphs"], "runs[0].mode must be a string"),
     ("runs.0.results", ..., "runs[0].results must be a list"),
     ("runs.0.results.1.concurrency", True, "runs[0].results[1].concurrency must be an integer"),
-    ("runs.0.results.0.step_ms", float("nan"), "runs[0].results[0].step_ms must be a finite number"),
-    ("runs.0.results.0.step_ms", float("inf"), "runs[0].results[0].step_ms must be a finite number"),
+    ("runs.0.results.0.step_ms", float("nan"), "runs[0].results[0].step_ms must be a number in (0, 1e9] ms"),
+    ("runs.0.results.0.step_ms", float("inf"), "runs[0].results[0].step_ms must be a number in (0, 1e9] ms"),
+    # huge but finite: overflowed the fits into a TypeError traceback (fresh-user finding)
+    ("runs.0.results.0.step_ms", 1e300, "runs[0].results[0].step_ms must be a number in (0, 1e9] ms"),
+    ("runs.0.results.0.profile.gpu_us_per_step", 1e300, "profile.gpu_us_per_step must be a number in (0, 1e12] us"),
     ("runs.0.results.0.profile", "none", "runs[0].results[0].profile must be an object"),
     ("runs.0.results.0.profile.groups.allreduce.us_per_step", "25", "allreduce.us_per_step must be a finite number"),
     ("runs.0.results.0.profile.groups.allreduce.us_per_step", ..., "allreduce.us_per_step must be a finite number"),
-    ("runs.0.results.0.step_ms", 0, "runs[0].results[0].step_ms must be a finite number > 0"),
-    ("runs.0.results.0.profile.gpu_us_per_step", 0.0, "profile.gpu_us_per_step must be a finite number > 0"),
+    ("runs.0.results.0.step_ms", 0, "runs[0].results[0].step_ms must be a number in (0, 1e9] ms"),
+    ("runs.0.results.0.profile.gpu_us_per_step", 0.0, "profile.gpu_us_per_step must be a number in (0, 1e12] us"),
     ("runs.0.results.0.profile.decode_only", "false", "profile.decode_only must be true or false"),
     ("tp", True, "tp must be an integer >= 1"), ("layers", False, "layers must be an integer >= 1")])
 def test_projection_names_the_bad_field_of_a_record(tmp_path, capsys, path, value, field):
