@@ -556,6 +556,8 @@ def add_parser(subparsers) -> None:
 def _run(args) -> int:
     from glm5serve.errors import GGUFModelError
 
+    if not args.out_dir:  # Path("") is the current directory: the files would land there unasked
+        raise GGUFModelError("empty path: name the directory to write into")
     try:
         path = make_checkpoint(args.out_dir, args.preset, args.mix, args.split, args.seed, progress=True)
     except (ValueError, RuntimeError) as e:

@@ -33,6 +33,8 @@ def test_make_checkpoint_bad_arguments(tmp_path, capsys):
     assert main(["make-checkpoint", str(tmp_path), "--split", "200"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot split" in err and "into 200 files" in err
+    assert main(["make-checkpoint", ""]) == 2  # wrote into the current directory (fresh-user finding)
+    assert capsys.readouterr().err.strip() == "glm5serve make-checkpoint: empty path: name the directory to write into"
 
 
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
