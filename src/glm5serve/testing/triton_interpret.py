@@ -66,7 +66,8 @@ def check_bounds() -> None:
             return
         launch = launches[-1]
         p = np.asarray(ptrs.data).astype(np.int64)
-        live = np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape) if mask is not None else True
+        live = (np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape) if mask is not None
+                else np.ones(p.shape, dtype=bool))
         size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
         inside = np.zeros(p.shape, dtype=bool)
         whole = False  # one tensor holds every live lane
