@@ -81,7 +81,7 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
 
 
 class _TensorProblem(Exception):
-    def __init__(self, tensor: str, reason: str):
+    def __init__(self, tensor: str | None, reason: str):
         super().__init__(reason)
         self.tensor, self.reason = tensor, reason
 
@@ -90,6 +90,19 @@ class _Reader(GGUFReader):
     """gguf-py's reader, plus the per-tensor checks llama.cpp's ``gguf_init_from_file_impl`` (ggml/src/gguf.cpp)
     makes, each naming the tensor: a known type, rows that are whole blocks, data that starts exactly where the
     previous tensor's padded data ends (so no two tensors overlap), and data inside the file."""
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
+        # gguf-py's loop, naming the tensor whose name is not UTF-8 (its "'utf-8' codec can't decode" names none)
+        fields: list = []
+        for i in range(count):
+            try:
+                field = self._get_tensor_info_field(offs)
+            except UnicodeDecodeError:
+                after = f"after {fields[-1].name}" if fields else "the first"
+                raise _TensorProblem(None, f"tensor name #{i} ({after}) is not valid UTF-8") from None
+            offs += sum(int(part.nbytes) for part in field.parts)
+            fields.append(field)
+        return offs, fields
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size, expected, previous = len(self.data), 0, None

@@ -376,6 +376,24 @@ def _offsets(path: Path) -> list[tuple[str, int]]:
     return [(t.name, int(t.field.parts[5][0])) for t in r.tensors]
 
 
+def test_a_tensor_name_that_is_not_utf8(tiny_checkpoint, tmp_path, capsys):
+    """A header byte flipped inside a tensor name: gguf-py's "'utf-8' codec can't decode" named no tensor (fresh-user
+    finding); the message names the tensor's place in the header and the one before it."""
+    path = tmp_path / "name.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    r = GGUFReader(path)
+    names = [t.name for t in r.tensors]
+    at = r.tensors[3].field.offset + r.tensors[3].field.parts[0].nbytes  # the name's first byte
+    del r
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(b"\xff")
+    for command in (["inspect"], ["generate", "--prompt", "Hi"]):
+        _one_line([command[0], str(path), *command[1:]], capsys, path.name,
+                  f"tensor name #3 (after {names[2]}) is not valid UTF-8")
+    _verify_fail(path, capsys, "tensor name #3", "is not valid UTF-8")
+
+
 def test_a_file_that_is_not_gguf(tmp_path, capsys):
     path = tmp_path / "notes.gguf"
     path.write_text("these are my notes, not a model\n")
