@@ -47,9 +47,9 @@ class MLABatch:
 
     def flat_rows(self) -> torch.Tensor:
         """(num_rows, L + R) view of every cache row, padding rows between blocks included."""
-        kv = self.kv_cache
-        n = (kv.shape[0] - 1) * (kv.stride(0) // kv.stride(1)) + kv.shape[1]
-        return kv.as_strided((n, kv.shape[2]), (kv.stride(1), 1))
+        from glm5serve.mla.triton_mla import flat_rows  # Triton only where the kernels run
+
+        return flat_rows(self.kv_cache)
 
 
 def make_batch(seq_lens: Sequence[int], q_lens: Sequence[int], num_heads: int, kv_lora_rank: int, rope_dim: int,

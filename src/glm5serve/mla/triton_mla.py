@@ -300,6 +300,13 @@ def default_num_splits(num_tokens: int, num_heads: int, num_keys: int, device: t
     return int(min(by_occupancy, by_work, 64))
 
 
+def flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """(num_rows, L + R) view of every row of the paged cache, the rows between blocks (a block stride wider than
+    ``block_size`` rows) included: the rows physical top-k indices address."""
+    n = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // kv_cache.stride(1)) + kv_cache.shape[1]
+    return kv_cache.as_strided((n, kv_cache.shape[2]), (kv_cache.stride(1), 1))
+
+
 def split_workspace_numel(num_tokens: int, num_heads: int, num_splits: int, kv_lora_rank: int) -> int:
     """fp32 elements of the split-K scratch :func:`mla_decode` needs (0 when ``num_splits == 1``)."""
     if num_splits <= 1:
@@ -415,8 +422,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         l_t, l_h, l_s = lse.stride(0), lse.stride(1), 0
         dst, dst_lse = out, lse
     # Positions below max_pos exist: the block table's span, or (physical indices) the cache's flat rows.
-    max_pos = (block_table.shape[1] * kv_cache.shape[1] if block_table is not None
-               else (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // kv_cache.stride(1)) + kv_cache.shape[1])
+    max_pos = block_table.shape[1] * kv_cache.shape[1] if block_table is not None else flat_rows(kv_cache).shape[0]
     # Absent int32 operands are never read (constexpr flags); any int32 tensor at hand stands in for them.
     dummy = block_table if block_table is not None else topk_indices
     bt = dummy
@@ -548,8 +554,7 @@ def mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`mla_decode` (same arguments): (out (T, H, L) fp32, lse (T, H) fp32)."""
     T, H, L = q_nope.shape
-    flat = kv_cache.as_strided(((kv_cache.shape[0] - 1) * (kv_cache.stride(0) // kv_cache.stride(1))
-                                + kv_cache.shape[1], kv_cache.shape[2]), (kv_cache.stride(1), 1)).float()
+    flat = flat_rows(kv_cache).float()
     out = torch.zeros(T, H, L, dtype=torch.float32, device=q_nope.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_nope.device)
     for t in range(T):
