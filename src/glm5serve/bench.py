@@ -496,18 +496,18 @@ def format_projection(proj: dict) -> str:
 
 def _ints(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:  # an empty entry ("1,,2") too: a typo, not a request for fewer values
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    if min(values) < 1 or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct positive integers, not {text!r}")
     return values
 
 
 def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or set(modes) - set(MODES):
-        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, not {text!r}")
+    modes = [m.strip() for m in text.split(",")]
+    if set(modes) - set(MODES) or len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, each at most once, not {text!r}")
     return modes
 
 

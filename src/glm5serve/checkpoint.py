@@ -398,6 +398,15 @@ def checkpoint_name(preset: str, mix: str, seed: int = 0) -> str:
     return f"glm5-{preset}-{mix}" + (f"-s{seed}" if seed else "")
 
 
+def checkpoint_files(out_dir, stem: str, split: int = 1) -> list[Path]:
+    """The files a checkpoint named ``stem`` occupies in ``out_dir``: ``{stem}.gguf``, or for ``split`` > 1 gguf-py's
+    ``{stem}-0000k-of-0000N.gguf`` shards, in order (gguf-py ``GGUFWriter`` with ``split_max_tensors``)."""
+    out_dir = Path(out_dir)
+    if split > 1:
+        return [out_dir / f"{stem}-{i:05d}-of-{split:05d}.gguf" for i in range(1, split + 1)]
+    return [out_dir / f"{stem}.gguf"]
+
+
 def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int = 1, seed: int = 0, *,
                     indexer_types: list[str] | None = None, mtp_shared_tensors: bool = False,
                     progress: bool = False) -> Path:
@@ -451,7 +460,7 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
         qtype = tensor_type(s, mix, p)
         data = encode(a, qtype)
         writer.add_tensor(s.gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-    files = [out_dir / f"{stem}-{i:05d}-of-{split:05d}.gguf" for i in range(1, split + 1)] if split > 1 else [path]
+    files = checkpoint_files(out_dir, stem, split)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -527,7 +536,7 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out_dir / f"{stem}-00001-of-{split:05d}.gguf"
+    return checkpoint_files(out_dir, stem, split)[0]
 
 
 def default_checkpoint() -> Path:
@@ -550,6 +559,8 @@ def add_parser(subparsers) -> None:
                         "as Q4_K_M (needs the oracle extra; default ud-q4_k_xl)")
     p.add_argument("--split", type=int, default=1, help="number of files (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, 0 to 2**32-1 (default 0)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite the checkpoint's file(s) if they exist (by default an existing file is refused)")
     p.set_defaults(func=_run)
 
 
@@ -558,6 +569,11 @@ def _run(args) -> int:
 
     if not args.out_dir:  # Path("") is the current directory: the files would land there unasked
         raise GGUFModelError("empty path: name the directory to write into")
+    # as synthetic-gguf: a checkpoint already there (perhaps with other weights, made by another version) is kept
+    # unless asked; a directory or other non-file of that name is never replaced
+    for f in checkpoint_files(args.out_dir, checkpoint_name(args.preset, args.mix, args.seed), max(args.split, 1)):
+        if os.path.lexists(f) and not (args.force and f.is_file()):
+            raise GGUFModelError(f"{f}: exists" + (" (--force overwrites it)" if f.is_file() else ""))
     try:
         path = make_checkpoint(args.out_dir, args.preset, args.mix, args.split, args.seed, progress=True)
     except (ValueError, RuntimeError) as e:

@@ -511,6 +511,15 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
                       (["--timeout", "-5"], "--timeout must be a positive number of seconds, not -5.0")):
         assert main(["bench", str(tiny_checkpoint), *bad]) == 2
         assert capsys.readouterr().err.strip() == f"glm5serve bench: {want}"
+    # an empty or repeated entry is a typo: "1,,2" ran as [1, 2] (fresh-user finding), "1,1" measured 1 twice
+    for bad, want in ((["--concurrency", "1,,2"], "expected comma-separated integers, not '1,,2'"),
+                      (["--concurrency", "4,1,4"], "expected distinct positive integers, not '4,1,4'"),
+                      (["--concurrency", "0"], "expected distinct positive integers, not '0'"),
+                      (["--modes", "eager,"], "modes are eager, graphs, each at most once, not 'eager,'"),
+                      (["--modes", "graphs,graphs"], "each at most once, not 'graphs,graphs'")):
+        with pytest.raises(SystemExit):
+            main(["bench", str(tiny_checkpoint), *bad])
+        assert want in capsys.readouterr().err
     # the projection's --json must not overwrite one of its inputs (it did, exit 0)
     before = f.read_text()
     assert main(["bench", "--projection", str(f), "--json", str(tmp_path / "." / "r.json")]) == 2

@@ -37,6 +37,23 @@ def test_make_checkpoint_bad_arguments(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "glm5serve make-checkpoint: empty path: name the directory to write into"
 
 
+def test_make_checkpoint_keeps_an_existing_checkpoint_unless_forced(tmp_path, capsys):
+    # it overwrote the file silently, where synthetic-gguf asks for --force (fresh-user finding)
+    args = ["make-checkpoint", str(tmp_path), "--mix", "f32", "--split", "2"]
+    second = tmp_path / "glm5-tiny-f32-00002-of-00002.gguf"
+    second.write_bytes(b"not this run's")
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {second}: exists (--force overwrites it)"
+    assert second.read_bytes() == b"not this run's" and len(list(tmp_path.iterdir())) == 1
+    assert main([*args, "--force"]) == 0
+    assert main(["verify", capsys.readouterr().out.strip().splitlines()[-1]]) == 0
+    assert GGUFReader(second).tensors  # rewritten as a shard
+    # a directory in the way is never replaced, --force or not
+    (tmp_path / "glm5-tiny-f32.gguf").mkdir()
+    assert main(["make-checkpoint", str(tmp_path), "--mix", "f32", "--force"]) == 2
+    assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {tmp_path / 'glm5-tiny-f32.gguf'}: exists"
+
+
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
     assert main(["inspect", "--json", str(tiny_split_checkpoint)]) == 0
     got = json.loads(capsys.readouterr().out)
