@@ -5,8 +5,10 @@ parse failure into a one-line :class:`~glm5serve.errors.GGUFModelError` naming t
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,19 +67,39 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
     p = Path(path)
     m = SPLIT_RE.match(p.name)
     if not m:
-        if p.is_dir():
-            raise GGUFModelError("is a directory, not a GGUF file", file=str(p))
-        if not p.is_file():
-            raise GGUFModelError("no such file", file=str(p))
+        if why := _not_a_file(p):
+            raise GGUFModelError(why, file=str(p))
         return [p]
     count = int(m["count"])
     if not 1 <= int(m["no"]) <= count:
         raise GGUFModelError(f"the file name says shard {int(m['no'])} of {count}: not a split set", file=str(p))
     paths = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     for q in paths:
-        if not q.is_file():
-            raise GGUFModelError(f"missing shard {q.name} of a {count}-file split set", file=str(q))
+        if why := _not_a_file(q):
+            what = "missing" if why == "no such file" else f"unreadable ({why})"
+            raise GGUFModelError(f"{what} shard {q.name} of a {count}-file split set", file=str(q))
     return paths
+
+
+def _not_a_file(p: Path) -> str | None:
+    """Why ``p`` cannot be opened as a GGUF file, in a few words (None when it is a regular file, or a link to one).
+
+    ``Path.is_file`` is False alike for a missing file, a symlink loop, a dangling link and a FIFO, all of which were
+    reported as "no such file"; a FIFO or device cannot be memory-mapped, so it is refused before gguf-py opens it.
+    """
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "too many levels of symbolic links (a symlink loop)"
+        if p.is_symlink():
+            return f"a broken symbolic link (to {os.readlink(p)})"
+        return "no such file" if e.errno == errno.ENOENT else (e.strerror or str(e)).lower()
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a GGUF file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device): a GGUF file is memory-mapped"
+    return None
 
 
 class _TensorProblem(Exception):

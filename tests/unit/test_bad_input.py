@@ -2,6 +2,7 @@
 never a traceback -- through ``glm5serve verify`` and ``glm5serve inspect``. The bad files are built here."""
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -253,6 +254,27 @@ def test_directory_and_empty_path(tmp_path, capsys):
     _one_line(["inspect", str(tmp_path)], capsys, str(tmp_path), "is a directory")
     _one_line(["inspect", ""], capsys, "empty path")
     _one_line(["generate", str(tmp_path), "--prompt", "Hi"], capsys, "is a directory")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs and symlinks")
+def test_what_is_not_a_file_is_named_for_what_it_is(tiny_split_checkpoint, tmp_path, capsys):
+    # each of these was reported as "no such file" (fresh-user finding); a FIFO would block gguf-py's mmap
+    fifo, loop, dangling = tmp_path / "pipe.gguf", tmp_path / "loop.gguf", tmp_path / "dangling.gguf"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop.name)
+    dangling.symlink_to("gone.gguf")
+    for path, words in ((fifo, "not a regular file (a FIFO, socket or device)"),
+                        (loop, "a symlink loop"), (dangling, "a broken symbolic link (to gone.gguf)"),
+                        (tmp_path / "nope.gguf", "no such file")):
+        _one_line(["inspect", str(path)], capsys, path.name, words)
+    # a split set whose second shard is a FIFO: not "missing"
+    shards = sorted(tiny_split_checkpoint.parent.glob("*-of-*.gguf"))
+    for s in shards:
+        (tmp_path / s.name).symlink_to(s)
+    (tmp_path / shards[1].name).unlink()
+    os.mkfifo(tmp_path / shards[1].name)
+    _one_line(["inspect", str(tmp_path / shards[0].name)], capsys, shards[1].name,
+              "unreadable (not a regular file (a FIFO, socket or device): a GGUF file is memory-mapped) shard")
 
 
 def test_generate_names_a_foreign_architecture_first(bad, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
