@@ -91,14 +91,15 @@ def gemma3_gguf() -> Path:
 
 
 def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, replace=None, drop_keys=(),
-            set_keys=None, alignment: int | None = None) -> Path:
+            set_keys=None, alignment: int | None = None, reshape=None) -> Path:
     """Copy a single-file GGUF through gguf-py, dropping/adding/replacing tensors (name -> (array, raw_dtype))
     and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type); ``alignment``
-    writes ``general.alignment`` and pads the tensor data to it."""
+    writes ``general.alignment`` and pads the tensor data to it; ``reshape`` (name -> numpy shape, same number of
+    values and row length) stores a tensor's data with another shape, e.g. ``(1, *shape)`` for an extra ne of 1."""
     import numpy as np
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    add, replace, set_keys = add or {}, replace or {}, set_keys or {}
+    add, replace, set_keys, reshape = add or {}, replace or {}, set_keys or {}, reshape or {}
     r = GGUFReader(src)
     w = GGUFWriter(dst, arch)
     if alignment is not None:
@@ -117,6 +118,9 @@ def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, r
         if t.name in drop:
             continue
         data, qtype = replace.get(t.name, (np.asarray(t.data), t.tensor_type))
+        if t.name in reshape:  # block types and BF16: uint8 rows of row_bytes, which gguf-py turns back into values
+            shape = reshape[t.name]
+            data = data.reshape(shape if data.dtype != np.uint8 else (*shape[:-1], data.shape[-1]))
         w.add_tensor(t.name, data, raw_dtype=qtype)
     for name, (data, qtype) in add.items():
         w.add_tensor(name, data, raw_dtype=qtype)
@@ -131,6 +135,30 @@ def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, r
 def gguf_rewrite():
     """:func:`rewrite` as a fixture (edit a GGUF into a bad or variant file)."""
     return rewrite
+
+
+#: tensors :func:`padded_copy` stores with ggml ``ne`` padded by trailing 1s (numpy: leading), and how many: a block-
+#: quantized matrix, a 1-D F32 norm, a 3-D routed-expert tensor (then 4-D), ``attn_k_b`` and the embedding (twice)
+_PADDED = {"blk.1.attn_q_b.weight": 1, "blk.1.attn_norm.weight": 1, "blk.1.ffn_gate_exps.weight": 1,
+          "blk.1.attn_k_b.weight": 1, "token_embd.weight": 2}
+
+
+@pytest.fixture(scope="session")
+def padded_copy(tmp_path_factory):
+    """``padded_copy(path)``: a copy of the single-file GGUF ``path`` with the :data:`_PADDED` tensors stored with
+    extra size-1 dimensions (ne ``[K, N]`` as ``[K, N, 1]``): the same tensors to llama.cpp. Made once per path."""
+    from glm5serve.gguf_file import GGUFModel
+
+    made: dict[Path, Path] = {}
+
+    def padded(path: Path) -> Path:
+        if path not in made:
+            m = GGUFModel(path)
+            shapes = {name: (1,) * n + m[name].shape for name, n in _PADDED.items()}
+            made[path] = rewrite(path, tmp_path_factory.mktemp("padded") / path.name, reshape=shapes)
+        return made[path]
+
+    return padded
 
 
 def _runs_in_background(item) -> bool:
