@@ -6,11 +6,12 @@ parse failure into a one-line :class:`~glm5serve.errors.GGUFModelError` naming t
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,6 +22,7 @@ from glm5serve.errors import GGUFModelError
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"
+GGML_MAX_DIMS = 4  # ggml.h: every ggml tensor has 4 dimensions, of which a GGUF stores n_dims
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class TensorInfo:
     ``ne`` is ggml's dimension order (fastest first); ``shape`` is the numpy/PyTorch order (``ne`` reversed).
     ``qtype`` is the ggml type (``qweight_type`` in vLLM's words). ``data`` is a read-only memory map:
     ``uint8`` of shape ``(*shape[:-1], row_bytes)`` for block-quantized and BF16 types, typed for F32/F16.
+    :meth:`GGUFModel.conform` replaces a tensor stored with ``ne`` padded by 1s (or missing them) with the schema's
+    ``ne``/``shape`` (:meth:`as_shape`); otherwise both are as stored.
     """
 
     name: str
@@ -54,6 +58,29 @@ class TensorInfo:
     def raw(self) -> np.ndarray:
         """The tensor's bytes as a flat ``uint8`` memory-mapped view (nothing is copied)."""
         return self.data.reshape(-1).view(np.uint8)
+
+    def as_shape(self, shape: tuple[int, ...]) -> TensorInfo | None:
+        """This tensor as numpy ``shape`` if it is the same tensor: ``self`` when the shapes are equal; a copy of
+        this info with ``shape``, ``ne`` and ``data`` reshaped (a view, nothing copied) when they differ only by
+        leading size-1 dimensions (``ne`` padded with trailing 1s, either way round); else None.
+
+        In ggml every tensor has 4 dimensions and ``n_dims`` is only how many are stored: llama.cpp's
+        ``llama_model_loader::check_tensor_dims`` (src/llama-model-loader.cpp) compares ``ne[i]`` for every
+        ``i < GGML_MAX_DIMS`` with the expected dimensions padded with 1, so ne ``[K, N, 1]`` is an ``[K, N]``
+        tensor and ``[K, N]`` a ``[K, N, 1]`` one. The padding is outermost: a block type's rows are unchanged.
+        """
+        shape = tuple(int(n) for n in shape)
+        if shape == self.shape:
+            return self
+        if max(len(shape), len(self.shape)) > GGML_MAX_DIMS or _unpadded(shape) != _unpadded(self.shape):
+            return None
+        data = self.data.reshape(*shape[:-1], self.data.shape[-1])
+        return replace(self, ne=tuple(reversed(shape)), shape=shape, data=data)
+
+
+def _unpadded(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` without its leading size-1 dimensions (ggml's trailing ``ne`` of 1)."""
+    return tuple(itertools.dropwhile(lambda n: n == 1, shape))
 
 
 def split_paths(path: str | os.PathLike) -> list[Path]:
@@ -296,6 +323,18 @@ class GGUFModel:
             raise GGUFModelError(f"metadata key {key if not key.startswith('.') else self.arch + key} is missing",
                                  file=str(self.path))
         return v
+
+    def conform(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        """Tensor ``name`` as the numpy ``shape`` the schema expects: one stored with extra or missing size-1
+        dimensions that llama.cpp accepts (:meth:`TensorInfo.as_shape`) is replaced in :attr:`tensors` by its view
+        of ``shape``, so every later reader sees that shape. Raises GGUFModelError naming file and tensor for a
+        missing tensor or any other shape."""
+        t = self[name]
+        conformed = t.as_shape(shape)
+        if conformed is None:
+            raise GGUFModelError(f"shape {t.shape} (numpy order), expected {tuple(shape)}", file=t.file, tensor=name)
+        self.tensors[name] = conformed
+        return conformed
 
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.tensors.values())

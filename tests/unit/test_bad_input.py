@@ -76,6 +76,11 @@ def bad(tiny_bf16_checkpoint, tiny_checkpoint, tiny_split_checkpoint, tmp_path_f
         np.zeros((4, 256), np.float32), Q.F32)}), "blk.0.attn_bogus.weight", "unknown tensor")
     out["wrong shape"] = (rewrite(src, d / "shape.gguf", replace={"blk.2.attn_q_a.weight": (
         np.zeros((128, 256), np.float32), Q.F32)}), "blk.2.attn_q_a.weight", "shape")
+    # llama.cpp takes ne padded with 1s at the end ([K, N, 1] for [K, N]); a 1 anywhere else is another tensor
+    out["size-1 dim inside"] = (rewrite(src, d / "inner_one.gguf", reshape={"blk.1.attn_q_b.weight": (384, 1, 256)}),
+                                "blk.1.attn_q_b.weight", "shape (384, 1, 256) (numpy order), expected (384, 256)")
+    out["size-1 dim innermost"] = (rewrite(src, d / "last_one.gguf", reshape={"blk.1.attn_norm.weight": (256, 1)}),
+                                   "blk.1.attn_norm.weight", "shape (256, 1) (numpy order), expected (256,)")
     for qtype in (Q.TQ1_0, Q.IQ2_XXS, Q.Q8_1):
         out[f"unsupported {qtype.name}"] = (
             rewrite(src, d / f"{qtype.name}.gguf",
@@ -102,6 +107,7 @@ def bad(tiny_bf16_checkpoint, tiny_checkpoint, tiny_split_checkpoint, tmp_path_f
 
 
 CASES = ["truncated", "missing shard", "foreign arch", "missing tensor", "extra tensor", "wrong shape",
+         "size-1 dim inside", "size-1 dim innermost",
          "unsupported TQ1_0", "unsupported IQ2_XXS", "unsupported Q8_1", "unknown type id", "NaN scale", "metadata",
          "no such file"]
 
@@ -648,6 +654,8 @@ def test_a_split_name_that_numbers_no_shard(tiny_checkpoint, tmp_path, capsys):
      ("blk.0.attn_bogus.weight", "unknown tensor")),
     # without the MTP count the MTP block's tensors are unknown; the reference used to run them as a main layer
     ({"set_keys": {"glm-dsa.nextn_predict_layers": 0}}, (".nextn.", "unknown tensor")),
+    ({"reshape": {"blk.1.ffn_gate_exps.weight": (16, 256, 1, 256)}},
+     ("blk.1.ffn_gate_exps.weight", "shape (16, 256, 1, 256) (numpy order), expected (16, 256, 256)")),
 ])
 def test_generate_and_serve_refuse_what_verify_rejects(edit, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     """generate and serve --dry-run run verify's checks first: a file verify fails is refused with verify's message
@@ -656,6 +664,18 @@ def test_generate_and_serve_refuse_what_verify_rejects(edit, words, tiny_checkpo
     detail = _verify_fail(path, capsys, *words).split(None, 2)[2]
     for argv in (["generate", str(path), "--prompt", "Hi", "--max-tokens", "1"], ["serve", str(path), "--dry-run"]):
         assert _one_line(argv, capsys).strip() == f"glm5serve {argv[0]}: {detail}"
+
+
+def test_generate_and_serve_take_ne_padded_with_trailing_ones(tiny_checkpoint, padded_copy, capsys):
+    """What llama.cpp loads -- tensors stored with ne [K, N, 1] for [K, N] -- generate and serve take too, and generate
+    continues as from the unpadded file (fresh-user finding: refused as a shape error)."""
+    runs = []
+    for path in (tiny_checkpoint, padded_copy(tiny_checkpoint)):
+        assert main(["generate", str(path), "--prompt", "The cat", "--max-tokens", "4"]) == 0
+        runs.append(capsys.readouterr().out)
+        assert main(["serve", str(path), "--dry-run"]) == 0, capsys.readouterr()
+        capsys.readouterr()
+    assert runs[0] == runs[1] and runs[0].strip()
 
 
 @pytest.mark.parametrize("key", ["tokenizer.ggml.merges", "tokenizer.ggml.tokens"])

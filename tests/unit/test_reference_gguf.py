@@ -2,9 +2,10 @@
 holding the same dequantized weights, plus loading checks and fp64 metamorphic checks on the real layout."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter
 
 from glm5serve.errors import GGUFModelError
 from glm5serve.reference import ReferenceModel
@@ -136,6 +137,30 @@ def test_missing_tensor_is_one_line_error(tiny_checkpoint, tmp_path, drop):
     with pytest.raises(GGUFModelError) as e:
         ReferenceModel.from_gguf(bad)
     assert str(e.value) == f"{bad}: {drop}: required tensor is missing"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_checkpoint", "tiny_bf16_checkpoint"])
+def test_ne_padded_with_trailing_ones_loads_the_same_model(fixture, request, padded_copy, tok):
+    """Tensors stored with ne [K, N, 1] for [K, N] (a quantized matrix, a norm, routed experts, attn_k_b, the
+    embedding as [K, N, 1, 1]), as llama.cpp accepts them: the same weights and logits, bit for bit."""
+    path = request.getfixturevalue(fixture)
+    original, padded = ReferenceModel.from_gguf(path), ReferenceModel.from_gguf(padded_copy(path))
+    assert padded.w.keys() == original.w.keys() and all(torch.equal(padded.w[k], original.w[k]) for k in original.w)
+    for text in (SHORT[1], LONG[1]):
+        ids = tok.encode(text)
+        assert torch.equal(padded.forward(ids), original.forward(ids)), text
+
+
+@pytest.mark.parametrize("shape", [(384, 1, 256), (384, 256, 1)])
+def test_a_size_one_dimension_elsewhere_is_a_one_line_error(shape, tiny_checkpoint, tmp_path, gguf_rewrite):
+    """Only outer size-1 dimensions (ne padded at the end) are the same tensor to llama.cpp; any other stays a
+    shape error naming file and tensor."""
+    name = "blk.1.attn_q_b.weight"
+    bad = gguf_rewrite(tiny_checkpoint, tmp_path / "bad.gguf", replace={name: (
+        np.zeros((384, 256), np.float32), Q.F32)}, reshape={name: shape})
+    with pytest.raises(GGUFModelError) as e:
+        ReferenceModel.from_gguf(bad)
+    assert str(e.value) == f"{bad}: {name}: shape {shape} (numpy order), expected (384, 256)"
 
 
 # ---------------------------------------------------------------- metamorphic, fp64 (see test_reference.py)

@@ -2,9 +2,11 @@
 TP incompatibilities, inconsistent metadata and non-finite values (sampled rows for large tensors)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import struct
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -12,7 +14,7 @@ from glm5serve import schema, verify as verify_mod
 from glm5serve.config import config_from_metadata
 from glm5serve.checkpoint import make_checkpoint
 from glm5serve.dequant import dequantize_tensor
-from glm5serve.gguf_file import GGUFModel
+from glm5serve.gguf_file import GGUFModel, TensorInfo
 from glm5serve.quantize import quantize
 from glm5serve.verify import verify
 
@@ -156,3 +158,69 @@ def test_finite_line_says_which_tensors_were_sampled(tiny_checkpoint, monkeypatc
     (check,) = [c for c in verify(tiny_checkpoint, 1, [*HEADER, verify_mod.check_finite]) if c.name == "finite"]
     assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values ({len(model) - large} in "
                                          f"full, {large} large ones on {verify_mod.SAMPLE_ROWS} sampled rows each)")
+
+
+# ---------------------------------------------------------------- ne padded with 1s (llama.cpp's check_tensor_dims)
+@pytest.mark.parametrize("fixture", ["tiny_checkpoint", "tiny_bf16_checkpoint"])
+def test_ne_padded_with_trailing_ones_passes(fixture, request, padded_copy):
+    """ne [K, N, 1] is the tensor [K, N] to llama.cpp (every ggml tensor is 4-D; check_tensor_dims pads the
+    expected dims with 1): verify passes with the same lines, and the checked model holds the schema's shapes over
+    the file's bytes (fresh-user finding: refused as 'shape (1, 384, 256) (numpy order), expected (384, 256)')."""
+    path = request.getfixturevalue(fixture)
+    padded = padded_copy(path)
+    stored, original = GGUFModel(padded), GGUFModel(path)
+    changed = [n for n in original.tensors if stored[n].shape != original[n].shape]
+    assert len(changed) == 5 and all(stored[n].shape[-len(original[n].shape):] == original[n].shape and
+                                     set(stored[n].shape[:-len(original[n].shape)]) == {1} for n in changed)
+    results = verify(padded, 4)
+    assert not _failures(results)
+    assert [c.line() for c in results[1:]] == [c.line() for c in verify(path, 4)[1:]]
+    ctx = verify_mod.require(padded, tuple(HEADER))
+    specs = {s.gguf_name: s for s in schema.expected_tensors(ctx.cfg)}
+    for name in changed:
+        t = ctx.model[name]
+        assert t.shape == specs[name].shape and t.ne == tuple(reversed(t.shape)), name
+        assert t.data.shape[:-1] == t.shape[:-1] and isinstance(t.data, np.memmap), name  # the file map, reshaped
+        assert np.array_equal(t.data, stored[name].data.reshape(t.data.shape)), name
+
+
+def test_expected_dims_of_one_that_the_file_leaves_out(tiny_checkpoint, monkeypatch):
+    """The other way round: a schema shape with a size-1 dimension (n_head = 1, say) that the file does not store
+    (ne [K, N] for [K, N, 1]) passes every check, and the dimension is there for the readers after verify."""
+    one = {"blk.1.attn_q_b.weight", "blk.1.attn_norm.weight", "blk.1.attn_k_b.weight"}
+    real = schema.expected_tensors
+
+    def with_ones(cfg):
+        return [dataclasses.replace(s, shape=(1, *s.shape)) if s.gguf_name in one else s for s in real(cfg)]
+
+    monkeypatch.setattr(schema, "expected_tensors", with_ones)
+    results = verify(tiny_checkpoint, 4)
+    assert not _failures(results), _failures(results)
+    ctx = verify_mod.require(tiny_checkpoint, tuple(HEADER))
+    stored = GGUFModel(tiny_checkpoint)
+    for name in one:
+        assert ctx.model[name].shape == (1, *stored[name].shape), name
+        assert np.array_equal(ctx.model[name].data[0], stored[name].data), name
+
+
+@pytest.mark.parametrize("stored,expected,ok", [
+    ((1, 512, 256), (512, 256), True),
+    ((512, 256), (1, 512, 256), True),  # a real dimension of 1 the file left out
+    ((1, 1, 512, 256), (512, 256), True),
+    ((1, 512, 256), (1, 512, 256), True),  # stored as expected: a real size-1 dimension is never dropped
+    ((1, 1, 1, 1, 512, 256), (512, 256), False),  # more than ggml's 4 dimensions
+    ((512, 1, 256), (512, 256), False),  # a 1 anywhere but outermost is another tensor
+    ((512, 256, 1), (512, 256), False),
+    ((2, 256, 256), (512, 256), False),
+    ((256,), (1, 256), True),
+    ((1,), (1,), True),
+])
+def test_only_outer_size_one_dims_are_equivalent(stored, expected, ok):
+    data = np.zeros((*stored[:-1], 68), np.uint8)  # Q8_0 rows of 64 values, had they been 64
+    t = TensorInfo("t", Q.Q8_0, tuple(reversed(stored)), stored, data.nbytes, "f.gguf", 0, data)
+    got = t.as_shape(expected)
+    if not ok:
+        assert got is None
+        return
+    assert got.shape == expected and got.ne == tuple(reversed(expected)) and got.data.shape == (*expected[:-1], 68)
+    assert np.shares_memory(got.data, data) and (got is t) == (stored == expected)

@@ -333,3 +333,21 @@ def test_mtp_block_is_skipped_not_missing(tiny_checkpoint):
     mtp = {t for t in GGUFModel(tiny_checkpoint).tensors if t.startswith(f"blk.{n}.")}
     assert mtp and not mtp & {s for ld in adapter.plan for s in ld.sources}
     assert not any(f"layers.{n}." in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("fixture,kind,tp", [("tiny_checkpoint", "generic", 2), ("tiny_checkpoint", "cuda", 1),
+                                             ("tiny_bf16_checkpoint", "generic", 1)])
+def test_ne_padded_with_trailing_ones_loads_the_same_parameters(fixture, kind, tp, request, padded_copy):
+    """Tensors stored with ne [K, N, 1] for [K, N] (a quantized matrix, a norm, routed experts, attn_k_b, the
+    embedding as [K, N, 1, 1]), as llama.cpp accepts them, load into vLLM's model exactly as the unpadded file's:
+    the same parameters, bit for bit, on every rank."""
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    path = request.getfixturevalue(fixture)
+    for rank in range(tp):
+        want, got = (actual(build_and_load(p, tp=tp, rank=rank, kind=kind)[0]) for p in (path, padded_copy(path)))
+        assert sorted(got, key=str) == sorted(want, key=str)
+        for key, (w, wtype) in want.items():
+            g, gtype = got[key]
+            assert gtype == wtype, key
+            assert_bitwise_equal(g, w, err_msg=f"{key} rank {rank}/{tp}")
