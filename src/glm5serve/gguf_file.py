@@ -119,9 +119,12 @@ def _not_a_file(p: Path) -> str | None:
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "too many levels of symbolic links (a symlink loop)"
-        if p.is_symlink():
-            return f"a broken symbolic link (to {os.readlink(p)})"
-        return "no such file" if e.errno == errno.ENOENT else (e.strerror or str(e)).lower()
+        if e.errno == errno.ENOENT:
+            try:
+                return f"a broken symbolic link (to {os.readlink(p)})"
+            except OSError:  # not a link (or its own folder cannot be read): the name itself is missing
+                return "no such file"
+        return (e.strerror or str(e)).lower()  # "permission denied" for a folder that cannot be entered, ...
     if stat.S_ISDIR(mode):
         return "is a directory, not a GGUF file"
     if not stat.S_ISREG(mode):
@@ -184,7 +187,11 @@ def _open_reader(path: Path) -> GGUFReader:
             magic = f.read(4)
         if not b"GGUF".startswith(magic):  # a shorter prefix is a truncated header: gguf-py says so below
             raise GGUFModelError(f"not a GGUF file (it starts with {magic!r}, not b'GGUF')", file=str(path))
-        return _Reader(path, "r")
+        reader = _Reader(path, "r")
+        if reader.byte_order == "S":  # gguf-py reads it byte-swapped; the tensor bytes would be decoded as stored
+            raise GGUFModelError("big-endian GGUF file: not supported, as by llama.cpp (gguf-py's "
+                                 "gguf_convert_endian.py FILE little converts it)", file=str(path))
+        return reader
     except _TensorProblem as e:
         raise GGUFModelError(e.reason, file=str(path), tensor=e.tensor) from None
     except OSError as e:

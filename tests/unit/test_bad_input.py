@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFWriter
 
+import glm5serve
 from glm5serve.cli import main
 from glm5serve.gguf_file import GGUFModel
 
@@ -281,6 +282,50 @@ def test_what_is_not_a_file_is_named_for_what_it_is(tiny_split_checkpoint, tmp_p
     os.mkfifo(tmp_path / shards[1].name)
     _one_line(["inspect", str(tmp_path / shards[0].name)], capsys, shards[1].name,
               "unreadable (not a regular file (a FIFO, socket or device): a GGUF file is memory-mapped) shard")
+
+
+def test_a_big_endian_file_is_refused(tiny_checkpoint, tmp_path, capsys):
+    # gguf-py reads it byte-swapped: an F32 model passed verify and generated, while the block types' fp16 scales
+    # were decoded as stored (a "non-finite value" at best); llama.cpp refuses such a file (fresh-user finding)
+    from gguf import GGUFEndian
+
+    r = GGUFReader(tiny_checkpoint)
+    path = tmp_path / "big.gguf"
+    w = GGUFWriter(path, "glm-dsa", endianess=GGUFEndian.BIG)
+    w.add_block_count(3)
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert GGUFReader(path).byte_order == "S" and r.byte_order == "I"
+    want = "big-endian GGUF file: not supported, as by llama.cpp"
+    _one_line(["inspect", str(path)], capsys, "big.gguf", want)
+    assert _verify_fail(path, capsys, "big.gguf", want).startswith("FAIL  files")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or (os.geteuid() == 0 and not shutil.which("setpriv")),
+                    reason="needs a POSIX user without root's file access (setpriv drops it for root)")
+def test_a_folder_that_cannot_be_entered_is_a_failed_check(tiny_checkpoint, tmp_path):
+    # Path.is_symlink() re-raised the PermissionError: verify printed no FAIL line and no verdict, and a link into
+    # the folder was called "a broken symbolic link" (fresh-user finding)
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    shutil.copy(tiny_checkpoint, closed / "b.gguf")
+    (tmp_path / "link.gguf").symlink_to("closed/b.gguf")
+    closed.chmod(0)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"] if os.geteuid() == 0 else []
+    src = str(Path(glm5serve.__file__).parents[1])  # run from tmp_path: this checkout's package, not another
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    try:
+        for args, rc, want in ((["verify", "closed/b.gguf"], 1, "FAIL  files      closed/b.gguf: permission denied"),
+                               (["inspect", "link.gguf"], 2, "glm5serve inspect: link.gguf: permission denied")):
+            proc = subprocess.run([*drop, sys.executable, "-m", "glm5serve.cli", *args], capture_output=True, text=True,
+                                  cwd=tmp_path, env=env, timeout=300)
+            assert proc.returncode == rc and "Traceback" not in proc.stderr, proc.stderr
+            assert want in (proc.stdout + proc.stderr).splitlines(), proc.stdout + proc.stderr
+    finally:
+        closed.chmod(0o755)
 
 
 def test_generate_names_a_foreign_architecture_first(bad, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
