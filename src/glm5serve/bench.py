@@ -629,13 +629,13 @@ def _check_together(paths: list, records: list[dict]) -> None:
 
 
 def _check_runnable(args) -> None:
-    """Refuse up front what would only fail inside vLLM: no CUDA GPU (or fewer than ``--tp``), a synthetic header
-    without ``--load-format glm5-synthetic``, real weights with it."""
-    from glm5serve.gguf_file import GGUFModel
-    from glm5serve.synthetic import check_load_format
+    """Refuse up front what would only fail inside vLLM: what ``serve`` refuses before it starts vLLM (a file
+    ``verify --tp`` rejects, a synthetic header without ``--load-format glm5-synthetic``, real weights with it:
+    :func:`glm5serve.vllm_plugin.serve.preflight`), and no CUDA GPU (or fewer than ``--tp``)."""
     from glm5serve.vllm_plugin import require_gpus
+    from glm5serve.vllm_plugin.serve import preflight
 
-    check_load_format(GGUFModel(args.model), args.load_format)
+    preflight(args.model, args.tp, args.load_format)
     require_gpus(args.tp)
 
 

@@ -491,6 +491,9 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
         assert why in capsys.readouterr().err
     assert main(["bench", str(tiny_checkpoint)]) == 2  # no GPU here
     assert "CUDA GPU" in capsys.readouterr().err
+    # what serve refuses before vLLM starts, bench refuses too (it started a TP=3 engine: fresh-user finding)
+    assert main(["bench", str(tiny_checkpoint), "--tp", "3"]) == 2
+    assert "does not divide by TP=3" in capsys.readouterr().err
     header = write_header(tmp_path / "h.gguf", "tiny")
     assert main(["bench", str(header)]) == 2
     assert "add --load-format glm5-synthetic" in capsys.readouterr().err

@@ -158,6 +158,19 @@ def test_options_are_read_as_vllm_spells_them(tiny_checkpoint, tmp_path, capsys)
     assert main(["serve", str(header), "--dry-run", "--load_format", "glm5-synthetic"]) == 0
 
 
+def test_tp_as_glm5serve_spells_it_is_passed_to_vllm_as_tensor_parallel_size(tiny_checkpoint, capsys):
+    """``verify`` and ``bench`` spell it ``--tp``: ``serve --tp 3`` printed TP 1, skipped the TP check and handed
+    vLLM a ``--tp`` its parser refuses (fresh-user finding)."""
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--tp", "3"]) == 2
+    assert "does not divide by TP=3" in capsys.readouterr().err
+    for args in (["--tp", "2"], ["--tp=2"]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 0
+        out = capsys.readouterr().out
+        assert "tensor parallel: 2 " in out and " --tp" not in out, out
+        want = " ".join(args).replace("--tp", "--tensor-parallel-size")
+        assert out.rstrip().endswith(f"serve {tiny_checkpoint} {want}"), out
+
+
 def test_the_printed_command_pastes_into_a_shell(tiny_checkpoint, tmp_path, capsys):
     """A model path with spaces is quoted in the printed vLLM command (fresh-user finding)."""
     import shlex

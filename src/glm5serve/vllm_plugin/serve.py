@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 
@@ -30,6 +31,9 @@ def add_parser(subparsers) -> None:
     # argparse marks every REMAINDER positional required, so a missing MODEL was reported as "model, vllm_args"
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged").required = False
     p.set_defaults(func=run)
+
+
+_TP_ALIAS = re.compile(r"^--tp(?==|$)")
 
 
 def _vllm_spelling(arg: str) -> str:
@@ -128,6 +132,20 @@ def kernel_settings() -> str:
             "linear weights as split rows)")
 
 
+def preflight(path, tp: int, load_format: str = "auto"):
+    """The checks ``serve`` and ``bench`` make before vLLM starts: ``glm5serve verify --tp``'s open, metadata,
+    tokenizer, tensor, type and TP checks (not the finite-values check: it reads every weight), and that the data
+    fits ``load_format`` (:func:`glm5serve.synthetic.check_load_format`). Returns ``(GGUFModel, config)``; raises
+    GGUFModelError with verify's message."""
+    from glm5serve import verify
+    from glm5serve.synthetic import check_load_format
+
+    ctx = verify.require(path, (verify.check_open, verify.check_metadata, verify.check_tokenizer,
+                                verify.check_tensors, verify.check_types, verify.check_tp), tp)
+    check_load_format(ctx.model, load_format)
+    return ctx.model, ctx.cfg
+
+
 def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     """(label, value) lines describing how vLLM will serve ``path`` at TP=``tp``.
 
@@ -137,14 +155,8 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`), and for a bad kernel setting
     (:func:`kernel_settings`).
     """
-    from glm5serve import verify
-    from glm5serve.synthetic import check_load_format
-
     kernels = kernel_settings()
-    ctx = verify.require(path, (verify.check_open, verify.check_metadata, verify.check_tokenizer,
-                                verify.check_tensors, verify.check_types, verify.check_tp), tp)
-    model, cfg = ctx.model, ctx.cfg
-    check_load_format(model, option(vllm_args, "--load-format", default="auto"))
+    model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"))
     types: dict[str, int] = {}
     for t in model:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
@@ -184,7 +196,8 @@ def vllm_command(path, vllm_args: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Print the settings, then replace this process with vLLM's server (``--dry-run``: print the command)."""
     dry_run = args.dry_run or "--dry-run" in args.vllm_args  # after MODEL, argparse leaves it to vLLM's args
-    vllm_args = [a for a in args.vllm_args if a not in ("--", "--dry-run")]
+    # glm5serve's own commands spell it --tp; vLLM refuses that spelling ("unrecognized arguments")
+    vllm_args = [_TP_ALIAS.sub("--tensor-parallel-size", a) for a in args.vllm_args if a not in ("--", "--dry-run")]
     tp_text = option(vllm_args, "--tensor-parallel-size", "-tp", default="1")
     try:
         tp = int(tp_text)
