@@ -15,6 +15,7 @@ almost never all zero (no top-k ties).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -407,6 +408,20 @@ def checkpoint_files(out_dir, stem: str, split: int = 1) -> list[Path]:
     return [out_dir / f"{stem}.gguf"]
 
 
+@contextlib.contextmanager
+def replacing(paths: list[Path]) -> Iterator[list[Path]]:
+    """Paths to write instead of ``paths`` (same names, in a hidden folder beside them). When the block ends without
+    an error each is renamed over its path (``os.replace``: a symbolic link at that name is replaced, never written
+    through, and no reader sees half a file); otherwise they are deleted and whatever ``paths`` held is kept."""
+    tmp = Path(tempfile.mkdtemp(prefix=".glm5serve-", dir=paths[0].parent))
+    try:
+        yield [tmp / p.name for p in paths]
+        for t, p in zip((tmp / p.name for p in paths), paths):
+            os.replace(t, p)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int = 1, seed: int = 0, *,
                     indexer_types: list[str] | None = None, mtp_shared_tensors: bool = False,
                     progress: bool = False) -> Path:
@@ -444,33 +459,32 @@ def make_checkpoint(out_dir, preset: str = "tiny", mix: str = "ud-q4_k_xl", spli
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = checkpoint_name(preset, mix, seed)
-    path = out_dir / f"{stem}.gguf"
-    writer = GGUFWriter(path, ARCH, split_max_tensors=per_file)
-    for key, value, kind in gguf_metadata(p, f"GLM-5 glm5serve {preset} {mix} seed {seed}", int(_FILE_TYPES[mix]),
-                                          indexer_types):
-        if key == "general.architecture":
-            continue  # GGUFWriter writes it
-        getattr(writer, f"add_{kind}")(key, value)
-
-    tensors = gguf_tensors(cfg, state)
-    if progress:
-        from tqdm import tqdm
-        tensors = tqdm(tensors, total=n_tensors, desc=f"{stem}", unit="tensor")
-    for s, a in tensors:
-        qtype = tensor_type(s, mix, p)
-        data = encode(a, qtype)
-        writer.add_tensor(s.gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
     files = checkpoint_files(out_dir, stem, split)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=False)
-        writer.close()
-    except OSError as e:  # a full disk or a file size limit: no half-written model left behind, the path named
-        for f in files:
-            f.unlink(missing_ok=True)
-        what = f"the {split}-file checkpoint" if split > 1 else "the checkpoint"
-        raise OSError(e.errno, f"cannot write {what} ({e.strerror or e}); nothing was kept", str(files[0])) from None
+    with replacing(files) as tmp_files:  # an existing checkpoint of that name is kept until this one is whole
+        writer = GGUFWriter(tmp_files[0].parent / f"{stem}.gguf", ARCH, split_max_tensors=per_file)
+        for key, value, kind in gguf_metadata(p, f"GLM-5 glm5serve {preset} {mix} seed {seed}",
+                                              int(_FILE_TYPES[mix]), indexer_types):
+            if key == "general.architecture":
+                continue  # GGUFWriter writes it
+            getattr(writer, f"add_{kind}")(key, value)
+
+        tensors = gguf_tensors(cfg, state)
+        if progress:
+            from tqdm import tqdm
+            tensors = tqdm(tensors, total=n_tensors, desc=f"{stem}", unit="tensor")
+        for s, a in tensors:
+            qtype = tensor_type(s, mix, p)
+            data = encode(a, qtype)
+            writer.add_tensor(s.gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+        try:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file(progress=False)
+            writer.close()
+        except OSError as e:  # a full disk or a file size limit: no half-written model left behind, the path named
+            what = f"the {split}-file checkpoint" if split > 1 else "the checkpoint"
+            raise OSError(e.errno, f"cannot write {what} ({e.strerror or e}); nothing was kept",
+                          str(files[0])) from None
     return files[0]
 
 
@@ -510,7 +524,7 @@ def _llama_quantized(out_dir: Path, preset: str, split: int, seed: int, indexer_
             raise RuntimeError(f"llama_model_quantize failed (return code {rc}) on {src}")
         if split == 1:
             final = out_dir / f"{stem}.gguf"
-            shutil.move(dst, final)
+            os.replace(dst, final)  # same folder: a rename, over a symbolic link too (never through it)
             return final
         return _resplit(dst, out_dir, stem, split)
 
@@ -520,23 +534,25 @@ def _resplit(src: Path, out_dir: Path, stem: str, split: int) -> Path:
     from gguf import GGUFReader, GGUFValueType
 
     r = GGUFReader(src)
-    w = GGUFWriter(out_dir / f"{stem}.gguf", ARCH, split_max_tensors=_per_file(len(r.tensors), split))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = f.contents()
-        vtype = f.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            w.add_key_value(key, value, vtype, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, value, vtype)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # byte shape for block types
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return checkpoint_files(out_dir, stem, split)[0]
+    files = checkpoint_files(out_dir, stem, split)
+    with replacing(files) as tmp_files:
+        w = GGUFWriter(tmp_files[0].parent / f"{stem}.gguf", ARCH, split_max_tensors=_per_file(len(r.tensors), split))
+        for key, f in r.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value = f.contents()
+            vtype = f.types[0]
+            if vtype == GGUFValueType.ARRAY:
+                w.add_key_value(key, value, vtype, sub_type=f.types[-1])
+            else:
+                w.add_key_value(key, value, vtype)
+        for t in r.tensors:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # byte shape for block types
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return files[0]
 
 
 def default_checkpoint() -> Path:
@@ -560,7 +576,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--split", type=int, default=1, help="number of files (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, 0 to 2**32-1 (default 0)")
     p.add_argument("--force", action="store_true",
-                   help="overwrite the checkpoint's file(s) if they exist (by default an existing file is refused)")
+                   help="replace the checkpoint's file(s) if they exist, once the new ones are written whole (by "
+                        "default an existing file is refused)")
     p.set_defaults(func=_run)
 
 
@@ -569,11 +586,14 @@ def _run(args) -> int:
 
     if not args.out_dir:  # Path("") is the current directory: the files would land there unasked
         raise GGUFModelError("empty path: name the directory to write into")
+    out_dir = Path(args.out_dir)
+    if os.path.lexists(out_dir) and not out_dir.is_dir():  # mkdir said only "File exists"
+        raise GGUFModelError(f"{out_dir}: not a directory")
     # as synthetic-gguf: a checkpoint already there (perhaps with other weights, made by another version) is kept
-    # unless asked; a directory or other non-file of that name is never replaced
-    for f in checkpoint_files(args.out_dir, checkpoint_name(args.preset, args.mix, args.seed), max(args.split, 1)):
-        if os.path.lexists(f) and not (args.force and f.is_file()):
-            raise GGUFModelError(f"{f}: exists" + (" (--force overwrites it)" if f.is_file() else ""))
+    # unless asked; --force replaces the name (a symbolic link itself, not its target), never a directory
+    for f in checkpoint_files(out_dir, checkpoint_name(args.preset, args.mix, args.seed), max(args.split, 1)):
+        if os.path.lexists(f) and (f.is_dir() or not args.force):
+            raise GGUFModelError(f"{f}: exists" + ("" if f.is_dir() else " (--force overwrites it)"))
     try:
         path = make_checkpoint(args.out_dir, args.preset, args.mix, args.split, args.seed, progress=True)
     except (ValueError, RuntimeError) as e:

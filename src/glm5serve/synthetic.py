@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
 from glm5serve.checkpoint import _FILE_TYPES, FULL_PRESETS, PRESETS, Preset, gguf_metadata, layer_slice, \
-    preset_config, tensor_type
+    preset_config, replacing, tensor_type
 from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
 from glm5serve.schema import expected_tensors
@@ -67,8 +67,13 @@ def write_header(path, preset: str = "glm5", layers: int | None = None, mix: str
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n_layers = p.first_k_dense_replace + p.n_moe_layers
+    with replacing([path]) as (tmp,):
+        _write_header(tmp, p, cfg, f"GLM-5 glm5serve synthetic {preset} {n_layers} layers {mix}", mix)
+    return path
+
+
+def _write_header(path: Path, p: Preset, cfg, name: str, mix: str) -> None:
     writer = GGUFWriter(path, ARCH)
-    name = f"GLM-5 glm5serve synthetic {preset} {n_layers} layers {mix}"
     for key, value, kind in gguf_metadata(p, name, int(_FILE_TYPES[mix])):
         if key != "general.architecture":  # GGUFWriter writes it
             getattr(writer, f"add_{kind}")(key, value)
@@ -87,7 +92,6 @@ def write_header(path, preset: str = "glm5", layers: int | None = None, mix: str
         GGUFWriter.ggml_pad(ti.nbytes, align) for ti in writer.tensors[0].values())
     writer.close()
     os.truncate(path, size)
-    return path
 
 
 def is_synthetic(model) -> bool:
@@ -190,8 +194,9 @@ def add_parser(subparsers) -> None:
 
 def _run(args) -> int:
     out = Path(args.out)
-    if out.exists() and not (args.force and out.is_file()):
-        raise GGUFModelError(f"{out}: exists" + (" (--force overwrites it)" if out.is_file() else ""))
+    # lexists: a dangling link was written through, creating its target; --force replaces the name (a link itself)
+    if os.path.lexists(out) and (out.is_dir() or not args.force):
+        raise GGUFModelError(f"{out}: exists" + ("" if out.is_dir() else " (--force overwrites it)"))
     if not out.parent.is_dir():
         raise GGUFModelError(f"{out.parent}: " + ("not a directory" if out.parent.exists() else "no such directory"))
     try:

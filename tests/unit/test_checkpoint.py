@@ -416,3 +416,11 @@ def test_a_failed_write_names_the_file_and_leaves_nothing(split, tmp_path):
     first = "glm5-tiny-f32.gguf" if split == 1 else "glm5-tiny-f32-00001-of-00003.gguf"
     assert last.startswith(f"glm5serve make-checkpoint: {out / first}: cannot write the "), last
     assert list(out.iterdir()) == []
+    # with --force over a checkpoint already there: that one is kept whole (it was deleted: fresh-user finding)
+    keep = out / first
+    keep.write_bytes(b"the old checkpoint")
+    proc = subprocess.run([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "tiny",
+                           "--mix", "f32", "--split", str(split), "--force"], capture_output=True, text=True,
+                          preexec_fn=limit, timeout=300)
+    assert proc.returncode == 2 and "cannot write the " in proc.stderr, proc.stderr
+    assert list(out.iterdir()) == [keep] and keep.read_bytes() == b"the old checkpoint"

@@ -151,6 +151,38 @@ def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"glm5serve {argv[0]}: ") and err.strip().count("\n") == 0, err
+    # make-checkpoint OUT_DIR that is a file or a dangling link said only "File exists" (fresh-user finding)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to("nowhere")
+    for out in (afile, dangling):
+        assert main(["make-checkpoint", str(out), "--mix", "f32"]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {out}: not a directory"
+
+
+def test_force_replaces_a_link_never_its_target(tmp_path, capsys):
+    """--force wrote through a symbolic link (a text file it pointed at became a GGUF), and synthetic-gguf wrote
+    through a dangling link, creating its target (fresh-user findings): the name itself is replaced."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "glm5-tiny-f32.gguf").symlink_to(precious)
+    (tmp_path / "h.gguf").symlink_to(precious)
+    (tmp_path / "d.gguf").symlink_to("nowhere.gguf")
+    assert main(["make-checkpoint", str(out), "--mix", "f32"]) == 2
+    assert "exists (--force overwrites it)" in capsys.readouterr().err
+    for argv in (["make-checkpoint", str(out), "--mix", "f32"], ["synthetic-gguf", str(tmp_path / "h.gguf")],
+                 ["synthetic-gguf", str(tmp_path / "d.gguf")]):
+        assert main([*argv, "--preset", "tiny", "--force"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert precious.read_text() == "keep me" and not (tmp_path / "nowhere.gguf").exists()
+    for f in (out / "glm5-tiny-f32.gguf", tmp_path / "h.gguf", tmp_path / "d.gguf"):
+        assert not f.is_symlink() and f.read_bytes()[:4] == b"GGUF", f
+    assert sorted(p.name for p in out.iterdir()) == ["glm5-tiny-f32.gguf"]  # no temporary folder left
+    assert main(["synthetic-gguf", str(tmp_path / "d2.gguf"), "--preset", "tiny"]) == 0  # a plain new name
+    (tmp_path / "d3.gguf").symlink_to("nowhere3.gguf")
+    assert main(["synthetic-gguf", str(tmp_path / "d3.gguf"), "--preset", "tiny"]) == 2  # without --force: kept
+    assert "exists (--force overwrites it)" in capsys.readouterr().err and not (tmp_path / "nowhere3.gguf").exists()
 
 
 def test_generate_options_are_checked(capsys):
