@@ -8,6 +8,8 @@ can change a rounding. A bf16/fp16 result is the fp32 result rounded once.
 """
 from __future__ import annotations
 
+import math
+import operator
 import warnings
 from typing import Callable, Sequence
 
@@ -151,24 +153,41 @@ _BLOCK_FNS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 SUPPORTED_TYPES: tuple[Q, ...] = tuple(_BLOCK_FNS)
 _ELEMENT_BYTES = {Q.F32: 4, Q.F16: 2, Q.BF16: 2}
+_INT64_MAX = 2**63 - 1
 
 
 def _as_uint8_tensor(data) -> torch.Tensor:
-    """Raw bytes as a uint8 tensor, last dim = bytes per row; numpy (even read-only memmaps) is not copied."""
+    """Raw bytes as a uint8 tensor, last dim = bytes per row; numpy (even read-only memmaps) is not copied, unless it
+    is a view with a negative stride (``a[::-1]``, which torch cannot wrap)."""
     if isinstance(data, torch.Tensor):
         t = data
     else:
         arr = np.asarray(data)
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
+        if any(s < 0 for s in arr.strides):
+            arr = arr.copy()
         with warnings.catch_warnings():  # read-only memmap: we never write through this view
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(arr)
     if t.dtype != torch.uint8:
         if t.dim() == 0:
             t = t.reshape(1)
+        if t.numel() == 0:  # torch cannot view an empty tensor (stride 0) as bytes
+            return torch.empty((*t.shape[:-1], t.shape[-1] * t.element_size()), dtype=torch.uint8, device=t.device)
         t = t.contiguous().view(torch.uint8)
     return t
+
+
+def _int_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of Python ints; TypeError for anything but a sequence of integers (no float, no bool)."""
+    try:
+        entries = list(shape)
+        if isinstance(shape, (str, bytes)) or any(isinstance(s, bool) for s in entries):
+            raise TypeError
+        return tuple(operator.index(s) for s in entries)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of integers, not {shape!r}") from None
 
 
 def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.dtype = torch.float32,
@@ -178,9 +197,10 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
     Args:
         data: the tensor's bytes as numpy or torch ``uint8`` of shape ``(..., row_bytes)`` (GGUFReader's layout for
             block types and BF16), or a typed array as GGUFReader gives F32 (``float32``) and F16 (``float16``)
-            tensors, shape ``(..., row)``. Any other dtype is reinterpreted as bytes along the last dim.
-        qtype: a ``GGMLQuantizationType`` (``qweight_type``) among :data:`SUPPORTED_TYPES`.
-        shape: numpy-order output shape; default ``(..., row_bytes // type_size * block_size)``.
+            tensors, shape ``(..., row)``. Any other dtype is reinterpreted as bytes along the last dim. A numpy view
+            with a negative stride (``a[::-1]``) is copied first.
+        qtype: a ``GGMLQuantizationType`` (``qweight_type``) among :data:`SUPPORTED_TYPES`, or its integer value.
+        shape: numpy-order output shape, a sequence of integers; default ``(..., row_bytes // type_size * block_size)``.
         dtype: ``torch.float32`` (bit-exact with ``gguf.quants.dequantize``), ``bfloat16`` or ``float16`` (that
             fp32 result rounded to nearest even).
         device: where to compute and return; default the device of ``data`` (CPU for numpy).
@@ -189,8 +209,10 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
         A new tensor (never a view of ``data``) of ``shape`` and ``dtype`` on ``device``.
 
     Raises:
-        GGUFModelError: unsupported or unknown ``qtype`` (the message names it), a row byte count that is not a whole
-        number of blocks, or a ``shape`` with a negative size or a different number of elements.
+        GGUFModelError: unsupported or unknown ``qtype`` (the message names it; a float or a bool is unknown, not
+        truncated), a row byte count that is not a whole number of blocks, or a ``shape`` with a negative size or a
+        different number of elements (however large their product), or one whose sizes multiply past int64.
+        TypeError: a ``shape`` that is not a sequence of integers (a float or a bool entry included).
         ValueError: a ``dtype`` other than the three above.
 
     Source: gguf-py ``gguf/quants.py`` ``dequantize_blocks``; ggml ``ggml/src/ggml-quants.c`` ``dequantize_row_*``.
@@ -198,8 +220,10 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, not {dtype}")
     supported = f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
-    try:
-        qtype = Q(int(qtype))
+    try:  # operator.index: 12.7 is not truncated to Q4_K; a bool is refused, not taken as F16 / F32
+        if isinstance(qtype, bool):
+            raise TypeError
+        qtype = Q(operator.index(qtype))
     except (TypeError, ValueError):  # a number ggml does not define, a type's name, None
         raise GGUFModelError(f"unknown ggml type {qtype!r} for dequantization {supported}") from None
     fn = _BLOCK_FNS.get(qtype)
@@ -217,8 +241,10 @@ def dequantize(data, qtype, shape: Sequence[int] | None = None, *, dtype: torch.
     n_blocks = raw.numel() // type_size
     out_shape = (*lead, row_bytes // type_size * block_size)
     if shape is not None:
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) != n_blocks * block_size:
+        shape = _int_shape(shape)
+        # Python ints, so no product wraps; sizes whose nonzero product passes int64 are no tensor torch can make
+        if (any(s < 0 for s in shape) or math.prod(s for s in shape if s) > _INT64_MAX
+                or math.prod(shape) != n_blocks * block_size):
             raise GGUFModelError(f"{name} data holds {n_blocks * block_size} values, not shape {list(shape)}")
         out_shape = shape
     blocks = raw.reshape(n_blocks, type_size)

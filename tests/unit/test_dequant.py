@@ -137,6 +137,47 @@ def test_partial_block_and_bad_shape_raise():
         dequantize(np.zeros((2, 144), dtype=np.uint8), Q.Q4_K, shape=(-2, -256))
 
 
+
+def test_negative_stride_and_empty_arrays_are_read():
+    """A reversed numpy view (``a[::-1]``) gave torch's 'negative strides are not supported' ValueError, and an empty
+    F32/F16 array torch's 'stride(-1) must be 1' RuntimeError (fresh-user finding)."""
+    x = np.arange(64, dtype=np.float32).reshape(2, 32)
+    assert torch.equal(dequantize(x[::-1], Q.F32), torch.from_numpy(x[::-1].copy()))
+    q = gguf_quants.quantize(x, Q.Q8_0)
+    assert torch.equal(dequantize(q[::-1], Q.Q8_0), dequantize(q, Q.Q8_0).flip(0))
+    for plain, qtype in ((np.float32, Q.F32), (np.float16, Q.F16), (np.uint8, Q.Q8_0)):
+        for shape in [(0,), (3, 0), (0, 68)]:
+            got = dequantize(np.zeros(shape, plain), qtype)
+            assert got.numel() == 0 and got.shape[:-1] == shape[:-1]
+
+
+def test_shape_whose_product_overflows_int64_is_a_bad_shape():
+    """np.prod wrapped past int64 (OverflowError for a size >= 2**64, torch's RuntimeError when the wrapped product
+    matched) instead of the documented GGUFModelError (fresh-user finding)."""
+    for data, shape in ((np.zeros(8, np.float32), (2**64,)), (np.zeros(0, np.float32), (2**32, 2**32, 0)),
+                        (np.zeros(0, np.float32), (2**32, 2**32)), (np.zeros(8, np.float32), (2**32, 2**32, 4))):
+        with pytest.raises(GGUFModelError, match=f"^F32 data holds {data.size} values, not shape"):
+            dequantize(data, Q.F32, shape=shape)
+
+
+@pytest.mark.parametrize("qtype,shown", [(12.7, "12.7"), (True, "True"), (np.float64(14.0), "np.float64"),
+                                         (np.True_, "np.True_")])
+def test_non_integer_type_is_unknown_not_truncated(qtype, shown):
+    """int() made 12.7 Q4_K and True F16 (fresh-user finding); an integer-like value (np.int64) is still a type."""
+    with pytest.raises(GGUFModelError, match=f"^unknown ggml type {shown}"):
+        dequantize(np.zeros((1, 144), dtype=np.uint8), qtype)
+    assert dequantize(np.zeros((1, 144), dtype=np.uint8), np.int64(12)).shape == (1, 256)
+
+
+@pytest.mark.parametrize("shape", [(2.5,), (2.0,), (True, 8), [np.float64(8)], "8", 8], ids=repr)
+def test_shape_must_be_a_sequence_of_integers(shape):
+    """(2.5,) became (2,) and True 1 (fresh-user finding); numpy and torch integer sizes are fine."""
+    with pytest.raises(TypeError, match="^shape must be a sequence of integers, not "):
+        dequantize(np.zeros(8, np.float32), Q.F32, shape=shape)
+    for ok in ((np.int64(2), 4), np.array([4, 2]), torch.Size([8])):
+        assert dequantize(np.zeros(8, np.float32), Q.F32, shape=ok).numel() == 8
+
+
 def test_dequantize_tensor_from_file(tmp_path):
     """A GGUF written by gguf-py: every tensor comes back in numpy order and bit-exact; an unsupported type names
     file, tensor and type."""
