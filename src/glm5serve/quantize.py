@@ -12,6 +12,8 @@ Working layout: sub-block values lie along axis 0 and sub-blocks along axis 1 (`
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -238,29 +240,41 @@ QUANTIZE_TYPES: tuple[Q, ...] = GGUF_PY_TYPES + OWN_TYPES
 _HALF_FIELDS = {Q.Q4_0: (0, 2), Q.Q4_1: (0, 4), Q.Q5_0: (0, 2), Q.Q5_1: (0, 4), Q.Q8_0: (0, 2),
                 Q.Q4_K: (0, 4), Q.Q5_K: (0, 4), Q.Q6_K: (208, 210)}
 F16_MAX = 65504.0
+BF16_MAX = float(np.array(0x7F7F0000, np.uint32).view(np.float32))  # 3.3895e38
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Quantize ``data`` (``float32 (..., row)``) to ``qtype``; same contract as ``gguf.quants.quantize``.
 
-    Returns ``uint8 (..., row_bytes)`` for block types (``row_bytes = row / block_size * type_size``), ``float32``
-    / ``float16`` arrays for F32 / F16. Q4_K/Q5_K/Q6_K use llama.cpp's reference algorithm (this module); the
-    other :data:`QUANTIZE_TYPES` use gguf-py. Raises GGUFModelError naming the type when it is not in
-    ``QUANTIZE_TYPES``, when the row is not a whole number of blocks, when a value is NaN/inf, or when a value is too
-    large for the type (beyond fp16's 65504 for F16; for block types, a block scale that overflows its fp16 field,
-    which would dequantize to inf).
+    Returns ``uint8 (..., row_bytes)`` for block types and BF16 (``row_bytes = row / block_size * type_size``, the
+    shape of gguf-py's ``quant_shape_to_byte_shape``), ``float32`` / ``float16`` arrays of ``data``'s shape for F32 /
+    F16; other input dtypes are converted to float32 first. An empty input (no rows, or rows of 0 values) gives the
+    empty result of that shape for every type. Q4_K/Q5_K/Q6_K use llama.cpp's reference algorithm (this module);
+    the other :data:`QUANTIZE_TYPES` use gguf-py.
+
+    Raises GGUFModelError naming the type when it is not in ``QUANTIZE_TYPES`` (a float or a bool is no type), when
+    the row is not a whole number of blocks, when a value is NaN/inf, or when a value is too large for the type:
+    beyond float32's 3.4028e38 (say, in a float64 input), beyond fp16's 65504 for F16, rounding past bf16's largest
+    3.3895e38 to inf for BF16 (to nearest even, as gguf-py and ggml round), and for block types, a block scale that
+    overflows its fp16 field, which would dequantize to inf.
     """
     supported = f"(supported: {', '.join(t.name for t in QUANTIZE_TYPES)})"
-    try:
-        qtype = Q(int(qtype))
+    try:  # as dequantize: 12.7 is not truncated to Q4_K; a bool is refused, not taken as F16 / F32
+        if isinstance(qtype, bool):
+            raise TypeError
+        qtype = Q(operator.index(qtype))
     except (TypeError, ValueError):  # a number ggml does not define, a type's name, None
         raise GGUFModelError(f"quantization to unknown ggml type {qtype!r} is not supported {supported}") from None
     if qtype not in QUANTIZE_TYPES:
         raise GGUFModelError(f"quantization to {qtype.name} is not supported {supported}")
-    x = np.asarray(data)
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
-    if not np.isfinite(x).all():
+    raw = np.asarray(data)
+    with np.errstate(over="ignore"):  # a float64 value past float32's range: named below
+        x = raw if raw.dtype == np.float32 else raw.astype(np.float32)
+    if not (finite := np.isfinite(x)).all():
+        if raw.dtype.kind == "f" and np.isfinite(raw[~finite]).all():
+            raise GGUFModelError(f"cannot quantize |values| up to {np.abs(raw).max():.3g} to {qtype.name}: too large "
+                                 f"for float32, which quantize converts to first (largest: {F32_MAX:.5g})")
         raise GGUFModelError(f"cannot quantize non-finite values (NaN/inf) to {qtype.name}")
     if qtype == Q.F16 and x.size and np.abs(x).max() > F16_MAX:
         raise GGUFModelError(f"cannot quantize |values| up to {np.abs(x).max():.3g} to F16 (largest: {F16_MAX:g})")
@@ -270,6 +284,9 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if x.ndim == 0 or x.shape[-1] % block_size:
         raise GGUFModelError(f"cannot quantize rows of {x.shape[-1] if x.ndim else 0} values to {qtype.name}: "
                              f"not a whole number of {block_size}-value blocks")
+    out_shape = (*x.shape[:-1], x.shape[-1] // block_size * type_size)
+    if x.size == 0:  # gguf-py's block quantizers fail to reshape an empty array
+        return np.zeros(out_shape, dtype=np.uint8)
     fn = _K_QUANTIZERS.get(qtype)
     with np.errstate(over="ignore", invalid="ignore"):  # huge values: the scale check below names the fault
         if fn is None:
@@ -279,7 +296,10 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
             out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
             for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # chunks of whole blocks, each fully vectorised
                 out[start:start + CHUNK_BLOCKS] = fn(blocks[start:start + CHUNK_BLOCKS])
-            out = out.reshape(*x.shape[:-1], x.shape[-1] // block_size * type_size)
+            out = out.reshape(out_shape)
+    if qtype == Q.BF16 and ((out.view(np.uint16) & 0x7FFF) == 0x7F80).any():  # finite input rounded to inf
+        raise GGUFModelError(f"cannot quantize |values| up to {np.abs(x).max():.5g} to BF16: rounds past bf16's "
+                             f"largest {BF16_MAX:.5g} to inf")
     if qtype in _HALF_FIELDS:
         a, b = _HALF_FIELDS[qtype]
         if not np.isfinite(out.reshape(-1, type_size)[:, a:b].copy().view(np.float16)).all():

@@ -121,6 +121,39 @@ def test_errors_are_one_line_and_name_the_type():
             quantize(np.zeros((1, 256), dtype=np.float32), qtype)
 
 
+
+def test_too_large_for_bf16_or_float32_is_named():
+    """3.4e38 to BF16 came back as bytes that decode to inf; a finite float64 1e300 was called non-finite (NaN/inf)
+    (fresh-user finding). BF16 rounds to nearest even as gguf-py and ggml: 0x7F7F7FFF is the last float32 that
+    rounds to bf16's largest, 0x7F7F8000 the first that rounds to inf."""
+    with pytest.raises(GGUFModelError, match=r"up to 3\.4e\+38 to BF16: rounds past bf16's largest 3\.3895e\+38 "
+                                             "to inf"):
+        quantize(np.full(4, 3.4e38, np.float32), Q.BF16)
+    last, first_inf = np.array([0x7F7F7FFF, 0x7F7F8000], np.uint32).view(np.float32)
+    assert (quantize(np.array([last, -last]), Q.BF16).view(np.uint16) & 0x7FFF == 0x7F7F).all()
+    with pytest.raises(GGUFModelError, match="to BF16: rounds past"):
+        quantize(np.array([0.0, -first_inf], np.float32), Q.BF16)
+    for qtype in (Q.F32, Q.BF16, Q.Q8_0):
+        with pytest.raises(GGUFModelError, match=f"^cannot quantize \\|values\\| up to 1e\\+300 to {qtype.name}: too "
+                                                 "large for float32"):
+            quantize(np.full(32, -1e300), qtype)
+    with pytest.raises(GGUFModelError, match=r"non-finite values \(NaN/inf\) to F32"):  # NaN wins over overflow
+        quantize(np.array([1e300, np.nan]), Q.F32)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZE_TYPES, ids=ids)
+def test_empty_input_gives_an_empty_result(qtype):
+    """Every type returns an empty array: F32/F16 of the input's shape, the others of gguf-py's byte shape (gguf-py's
+    own Q4_0..Q8_0/BF16 quantizers raised 'cannot reshape array of size 0' for a row of 0 values, while the K types
+    returned (0,)) (fresh-user finding)."""
+    plain = {Q.F32: np.float32, Q.F16: np.float16}
+    for shape in [(0,), (3, 0), (0, 256), (2, 0, 256)]:
+        q = quantize(np.zeros(shape, np.float32), qtype)
+        want = shape if qtype in plain else gguf_quants.quant_shape_to_byte_shape(shape, qtype)
+        assert q.dtype == plain.get(qtype, np.uint8) and q.shape == want, shape
+        assert dequantize(q, qtype, shape).shape == shape
+
+
 def test_sequential_sum_is_the_c_loop_order():
     """The byte-exactness with ggml relies on numpy reducing a leading axis row by row."""
     rng = np.random.default_rng(0)
@@ -181,8 +214,10 @@ def test_dequantized_round_trip_in_torch_dtypes():
         assert torch.equal(dequantize(q, Q.Q4_K, dtype=dtype), full.to(dtype))
 
 
-@pytest.mark.parametrize("qtype,shown", [("Q4_K", "'Q4_K'"), (None, "None"), (9999, "9999")])
+@pytest.mark.parametrize("qtype,shown", [("Q4_K", "'Q4_K'"), (None, "None"), (9999, "9999"), (12.7, "12.7"),
+                                         (True, "True")])
 def test_unknown_quantization_type_is_named(qtype, shown):
-    """As dequantize: a type's name or None is an unknown type, named in the error (None gave a TypeError)."""
+    """As dequantize: a type's name or None is an unknown type, named in the error (None gave a TypeError); 12.7 and
+    True were truncated to Q4_K and F16 (fresh-user finding)."""
     with pytest.raises(GGUFModelError, match=f"^quantization to unknown ggml type {shown} is not supported"):
         quantize(np.zeros((1, 256), np.float32), qtype)
