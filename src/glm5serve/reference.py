@@ -35,6 +35,7 @@ Deliberate choices, all selectable:
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -52,6 +53,8 @@ INDEXER_K_NORM_EPS = 1e-6
 #: weights kept in fp32 whatever the compute dtype, as transformers does (``_keep_in_fp32_modules``) and the GGUF
 #: stores them (router, its bias and the indexer head weights feed top-k choices)
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+#: dtypes :meth:`ReferenceModel.from_gguf` loads weights in (float8 types load, then torch cannot promote them)
+COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -123,9 +126,14 @@ class KVCache:
 
 
 def _check_num_layers(num_layers: int, cfg) -> int:
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= cfg.num_hidden_layers:
+    """``num_layers`` as an int in 1..num_hidden_layers: any integer (``np.int64`` too), never a bool or a float."""
+    try:
+        n = None if isinstance(num_layers, bool) else operator.index(num_layers)
+    except TypeError:
+        n = None
+    if n is None or not 1 <= n <= cfg.num_hidden_layers:
         raise ValueError(f"num_layers must be in 1..{cfg.num_hidden_layers}, not {num_layers}")
-    return num_layers
+    return n
 
 
 def _in_first_layers(hf_name: str, num_layers: int) -> bool:
@@ -199,7 +207,8 @@ class ReferenceModel:
         blocks ``0..n-1`` are dequantized, so the first layers of the 744B model fit one GPU (GLM-5: ~3.8 GB of
         fp32 embeddings + ~1.5 GB per dense layer). The result has no output head: call ``forward(ids,
         capture=True)``, whose hidden states equal the full model's first ``n + 1`` bit for bit. ValueError if
-        ``n`` is not an integer in range, or ``dtype`` is not a floating-point dtype.
+        ``n`` is not an integer in range (a numpy integer will do; a bool or a float will not), or ``dtype`` is not
+        one of :data:`COMPUTE_DTYPES` (float32, float64, bfloat16, float16).
         """
         from glm5serve.config import config_from_metadata
         from glm5serve.dequant import dequantize_tensor
@@ -207,8 +216,8 @@ class ReferenceModel:
         from glm5serve.schema import expected_tensors, hf_to_gguf, merge_gate_up, merge_kv_b
         from glm5serve.synthetic import refuse_synthetic
 
-        if not dtype.is_floating_point:  # integer weights would load, then fail in the first matmul
-            raise ValueError(f"dtype must be a floating-point torch dtype, not {dtype}")
+        if dtype not in COMPUTE_DTYPES:  # int or float8 weights would load, then fail in the first matmul
+            raise ValueError(f"dtype must be torch.float32, float64, bfloat16 or float16, not {dtype!r}")
         gguf = GGUFModel(path)
         refuse_synthetic(gguf)  # a header from synthetic-gguf has no tensor data to read
         cfg = config_from_metadata(gguf)
@@ -224,7 +233,7 @@ class ReferenceModel:
             if (why := spec.check_type(info.qtype)) is not None:
                 raise GGUFModelError(why, file=info.file, tensor=info.name)
         if num_layers is not None:
-            _check_num_layers(num_layers, cfg)
+            num_layers = _check_num_layers(num_layers, cfg)
         weights: dict[str, torch.Tensor] = {}
         for hf_name, parts in hf_to_gguf(cfg).items():
             if any(p not in gguf for p in parts):  # optional (e.g. indexer of a "shared" layer), checked above

@@ -215,8 +215,25 @@ def test_bad_arguments_are_errors_not_garbage(tiny, tiny_checkpoint):
             tiny.generate([1, 2], 3, greedy=False, temperature=t)
     # a temperature so small that logits / temperature overflows (NaN probabilities) is greedy, as in vLLM
     assert tiny.generate([1, 2], 3, greedy=False, temperature=1e-45) == tiny.generate([1, 2], 3)
-    with pytest.raises(ValueError, match="dtype must be a floating-point torch dtype, not torch.int32"):
+    with pytest.raises(ValueError, match="dtype must be torch.float32, float64, bfloat16 or float16, not torch.int32"):
         ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.int32)  # loaded, then failed in the first matmul
     for n in (2.5, True):
         with pytest.raises(ValueError, match="num_layers must be in"):
             ReferenceModel.from_gguf(tiny_checkpoint, num_layers=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, "float32"], ids=str)
+def test_a_dtype_the_model_cannot_compute_in_is_refused_at_load(tiny_checkpoint, dtype):
+    """float8 passed the floating-point guard and loaded; the first forward failed with torch's 'Promotion for Float8
+    Types is not supported' (fresh-user finding). A dtype's name gave an AttributeError."""
+    with pytest.raises(ValueError, match=f"^dtype must be torch.float32, float64, bfloat16 or float16, not {dtype!r}$"):
+        ReferenceModel.from_gguf(tiny_checkpoint, dtype=dtype)
+
+
+def test_fp16_load_computes(tiny_checkpoint, tiny, tok):
+    """float16 is one of the dtypes the model computes in (on CPU too), as close to fp32 as bf16 is."""
+    fp16 = ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.float16)
+    assert fp16.w["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.float16
+    ids = tok.encode(SHORT[1])
+    logits = fp16.forward(ids)
+    assert logits.dtype == torch.float32 and rel_err(logits, tiny.forward(ids)) < 5e-2

@@ -2,6 +2,7 @@
 of the 744B model fit one GPU), equal bit for bit to the full model's."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,4 +42,14 @@ def test_partial_model_needs_capture_and_a_layer_count_in_range(tiny_checkpoint,
         part.forward([1, 2, 3])
     for n in (0, full.n_layers + 1):
         with pytest.raises(ValueError, match="num_layers must be in"):
+            ReferenceModel.from_gguf(tiny_checkpoint, num_layers=n)
+
+
+def test_num_layers_may_be_any_integer_but_not_a_bool_or_float(tiny_checkpoint):
+    """np.int64(1) was refused as 'num_layers must be in 1..3, not 1' (fresh-user finding)."""
+    part = ReferenceModel.from_gguf(tiny_checkpoint, num_layers=np.int64(1))
+    assert part.n_layers == 1 and type(part.n_layers) is int and not part.has_head
+    assert set(part.w) == set(ReferenceModel.from_gguf(tiny_checkpoint, num_layers=1).w)
+    for n in (1.0, np.float64(1.0), np.True_, "1"):
+        with pytest.raises(ValueError, match="^num_layers must be in 1..3, not "):
             ReferenceModel.from_gguf(tiny_checkpoint, num_layers=n)
