@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import math
 import os
 import re
 import stat
@@ -23,6 +24,7 @@ from glm5serve.errors import GGUFModelError
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS = "split.count", "split.no", "split.tensors.count"
 GGML_MAX_DIMS = 4  # ggml.h: every ggml tensor has 4 dimensions, of which a GGUF stores n_dims
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,23 @@ class _Reader(GGUFReader):
         return offs, fields
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size, expected, previous = len(self.data), 0, None
+        size, expected, previous, seen = len(self.data), 0, None, set()
         align = int(self.alignment)  # gguf-py keeps general.alignment as np.uint32: -n // it would overflow
         for field in fields:
             _, name, _, dims, raw_dtype, offset = field.parts
             tensor = bytes(name).decode("utf-8", "replace")
+            if tensor in seen:  # gguf-py's "Found duplicated tensor" came out as a corrupt header
+                raise _TensorProblem(tensor, "tensor stored twice")
+            seen.add(tensor)
+            # gguf.cpp refuses both ("invalid number of dimensions", "number of elements overflows"); here the
+            # product wrapped in int64 and the tensor read as "truncated"
+            ne = [int(d) for d in dims]
+            if not ne:  # a scalar for ggml; gguf-py indexes ne[0] ("index 0 is out of bounds", a corrupt header)
+                raise _TensorProblem(tensor, "0 dimensions: gguf-py cannot read a tensor without ne[0]")
+            if len(ne) > GGML_MAX_DIMS:
+                raise _TensorProblem(tensor, f"{len(ne)} dimensions (ne {ne}): ggml has at most {GGML_MAX_DIMS}")
+            if math.prod(ne) > _INT64_MAX or any(d > _INT64_MAX for d in ne):
+                raise _TensorProblem(tensor, f"ne {ne}: the number of values overflows int64")
             try:
                 qtype = GGMLQuantizationType(int(raw_dtype[0]))
             except ValueError:
@@ -174,7 +188,7 @@ class _Reader(GGUFReader):
                 after = f"where {previous}'s padded data ends" if previous else "the start of the data section"
                 raise _TensorProblem(tensor, f"data offset {int(offset[0])} is not {expected}, {after} "
                                              "(overlapping or misplaced tensor data, or a wrong type or shape before)")
-            n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
+            n_bytes = math.prod(ne) * type_size // block
             if start_offs + expected + n_bytes > size:
                 raise _TensorProblem(tensor, "truncated file: tensor data runs past the end of the file")
             expected, previous = expected + -(-n_bytes // align) * align, tensor

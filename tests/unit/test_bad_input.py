@@ -654,6 +654,38 @@ def test_rows_that_are_not_whole_quant_blocks(tiny_checkpoint, tmp_path, capsys)
               f"rows of {ne0 - 1} Q8_0 values are not whole 32-value blocks")
 
 
+def _tiny_header(path: Path, tensors: list[tuple[str, list[int]]]) -> Path:
+    """A GGUF v3 file written byte by byte (gguf-py's writer refuses these): arch glm-dsa, F32 tensors with the
+    given ``ne``, consecutive 32-byte-aligned offsets, and 64 zero bytes of data."""
+    def s(x: str) -> bytes:
+        return struct.pack("<Q", len(x.encode())) + x.encode()
+
+    kv = s("general.architecture") + struct.pack("<I", 8) + s("glm-dsa")
+    infos, offset = b"", 0
+    for name, ne in tensors:
+        infos += s(name) + struct.pack("<I", len(ne)) + b"".join(struct.pack("<Q", n) for n in ne)
+        infos += struct.pack("<I", int(Q.F32)) + struct.pack("<Q", offset)
+        offset += 32
+    body = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1) + kv + infos
+    path.write_bytes(body + b"\0" * (-len(body) % 32) + b"\0" * 64)
+    return path
+
+
+@pytest.mark.parametrize("tensors, words", [
+    ([("a", [2**62, 3])], "a: ne [4611686018427387904, 3]: the number of values overflows int64"),
+    ([("a", [2**32, 2**32])], "a: ne [4294967296, 4294967296]: the number of values overflows int64"),
+    ([("a", [8, 1, 1, 1, 1])], "a: 5 dimensions (ne [8, 1, 1, 1, 1]): ggml has at most 4"),
+    ([("a", [])], "a: 0 dimensions: gguf-py cannot read a tensor without ne[0]"),
+    ([("a", [8]), ("a", [8])], "a: tensor stored twice"),
+])
+def test_headers_llama_cpp_refuses_are_named_by_tensor(tensors, words, tmp_path, capsys):
+    """An overflowing ne read as "truncated file" with no tensor named; 5 dimensions were listed by inspect;
+    a tensor stored twice in one file was "header truncated or corrupt", and no dimensions an IndexError in
+    gguf-py (fresh-user findings). gguf.cpp (gguf_init_from_file_impl) refuses each."""
+    path = _tiny_header(tmp_path / "h.gguf", tensors)
+    _one_line(["inspect", str(path)], capsys, f"h.gguf: {words}")
+
+
 def test_inspect_prints_nothing_before_a_metadata_error(tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     from gguf import GGUFValueType
 
