@@ -635,7 +635,7 @@ def _check_runnable(args) -> None:
     from glm5serve.vllm_plugin import require_gpus
     from glm5serve.vllm_plugin.serve import preflight
 
-    preflight(args.model, args.tp, args.load_format)
+    preflight(args.model, args.tp, args.load_format, chat_template=False)  # bench sends token ids, no chat
     require_gpus(args.tp)
 
 

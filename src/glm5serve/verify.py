@@ -85,8 +85,10 @@ def check_metadata(ctx: Context) -> list[Check]:
                   f"index_topk {c.index_topk}, vocab {c.vocab_size}{gating}")]
 
 
-def check_tokenizer(ctx: Context) -> list[Check]:
-    """The ``tokenizer.ggml.*`` arrays build a working tokenizer (:func:`glm5serve.tokenizer.tokenizer_from_gguf`)."""
+def check_tokenizer(ctx: Context, chat_template: bool = True) -> list[Check]:
+    """The ``tokenizer.ggml.*`` arrays build a working tokenizer (:func:`glm5serve.tokenizer.tokenizer_from_gguf`),
+    and (``chat_template``) ``tokenizer.chat_template``, where there is one, renders a user message as vLLM's chat
+    endpoint renders it (transformers ``apply_chat_template``)."""
     from glm5serve.tokenizer import tokenizer_from_gguf
 
     try:
@@ -96,8 +98,19 @@ def check_tokenizer(ctx: Context) -> list[Check]:
         return [_fail("tokenizer", e)]
     except Exception as e:  # malformed merges or tokens: the tokenizers library's own error
         return [_fail("tokenizer", f"tokenizer does not build: {type(e).__name__}: {e}", file=str(ctx.model.path))]
+    chat = ""
+    if chat_template and tok.chat_template:  # vLLM's chat endpoint renders it per request: a broken one fails every chat request
+        try:
+            tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+            chat = ", chat template renders"
+        except ImportError:  # no jinja2 (transformers needs it only for chat templates): not checked
+            chat = ", chat template not checked (no jinja2)"
+        except Exception as e:  # jinja2's TemplateSyntaxError, a raise_exception(...) in the template
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            return [_fail("tokenizer", f"tokenizer.chat_template does not render a user message ({why})",
+                          file=str(ctx.model.path))]
     return [Check("tokenizer", True, f"gpt2 BPE, {len(tok)} tokens, {ctx.model.get('tokenizer.ggml.pre')} "
-                                     f"pre-tokenizer, 'Hello, world! 123' -> {len(ids)} tokens")]
+                                     f"pre-tokenizer, 'Hello, world! 123' -> {len(ids)} tokens{chat}")]
 
 
 def check_tensors(ctx: Context) -> list[Check]:

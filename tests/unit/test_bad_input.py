@@ -356,6 +356,24 @@ def _with_key(src: Path, dst: Path, key: str, value, vtype) -> Path:
     return dst
 
 
+def test_a_chat_template_that_does_not_render(tiny_checkpoint, tmp_path, capsys):
+    """verify passed a tokenizer.chat_template of "{% for %}", and serve started a server whose every chat request
+    would fail (fresh-user finding). vLLM's --chat-template replaces it; bench sends token ids and never uses it."""
+    from gguf import GGUFValueType
+
+    path = _with_key(tiny_checkpoint, tmp_path / "template.gguf", "tokenizer.chat_template", "{% for %}",
+                     GGUFValueType.STRING)
+    line = _verify_fail(path, capsys, "template.gguf", "tokenizer.chat_template does not render a user message",
+                        "TemplateSyntaxError")
+    assert line.startswith("FAIL  tokenizer")
+    _one_line(["serve", str(path), "--dry-run"], capsys, "template.gguf", "does not render")
+    assert main(["serve", str(path), "--dry-run", "--chat-template", "{{ messages[0].content }}"]) == 0
+    capsys.readouterr()
+    _one_line(["bench", str(path)], capsys, "CUDA GPU")  # past the pre-flight: no GPU here
+    assert main(["verify", str(tiny_checkpoint)]) == 0
+    assert "chat template renders" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("key,value,vtype,expected", [
     ("glm-dsa.block_count", "four", "STRING", "an integer"),
     ("glm-dsa.attention.layer_norm_rms_epsilon", "x", "STRING", "a number"),
