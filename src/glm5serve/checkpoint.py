@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import shutil
+import stat
 import tempfile
 import zlib
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, LlamaF
 
 from glm5serve import schema
 from glm5serve.config import ARCH, config_from_metadata
+from glm5serve.errors import GGUFModelError
 from glm5serve.tokenizer import CHAT_TEMPLATE, build_vocab
 
 MIXES = ("ud-q4_k_xl", "bf16", "f32", "llama-q4_k_m")
@@ -408,12 +410,27 @@ def checkpoint_files(out_dir, stem: str, split: int = 1) -> list[Path]:
     return [out_dir / f"{stem}.gguf"]
 
 
+def refuse_existing(path: Path, force: bool) -> None:
+    """Raise GGUFModelError if an output ``path`` exists and may not be replaced: anything without ``force``; with
+    it, anything but a regular file or a symbolic link (which :func:`replacing` replaces, never its target), so a
+    folder, a device or a FIFO of that name is never replaced."""
+    if not os.path.lexists(path):
+        return
+    if not (path.is_symlink() or stat.S_ISREG(path.lstat().st_mode)):
+        raise GGUFModelError(f"{path}: exists and is not a regular file (--force replaces only files and links)")
+    if not force:
+        raise GGUFModelError(f"{path}: exists (--force overwrites it)")
+
+
 @contextlib.contextmanager
 def replacing(paths: list[Path]) -> Iterator[list[Path]]:
     """Paths to write instead of ``paths`` (same names, in a hidden folder beside them). When the block ends without
     an error each is renamed over its path (``os.replace``: a symbolic link at that name is replaced, never written
     through, and no reader sees half a file); otherwise they are deleted and whatever ``paths`` held is kept."""
-    tmp = Path(tempfile.mkdtemp(prefix=".glm5serve-", dir=paths[0].parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".glm5serve-", dir=paths[0].parent))
+    except OSError as e:  # name the folder asked for, not the temporary one
+        raise OSError(e.errno, f"cannot write here ({e.strerror or e})", str(paths[0].parent)) from None
     try:
         yield [tmp / p.name for p in paths]
         for t, p in zip((tmp / p.name for p in paths), paths):
@@ -582,8 +599,6 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from glm5serve.errors import GGUFModelError
-
     if not args.out_dir:  # Path("") is the current directory: the files would land there unasked
         raise GGUFModelError("empty path: name the directory to write into")
     out_dir = Path(args.out_dir)
@@ -592,8 +607,7 @@ def _run(args) -> int:
     # as synthetic-gguf: a checkpoint already there (perhaps with other weights, made by another version) is kept
     # unless asked; --force replaces the name (a symbolic link itself, not its target), never a directory
     for f in checkpoint_files(out_dir, checkpoint_name(args.preset, args.mix, args.seed), max(args.split, 1)):
-        if os.path.lexists(f) and (f.is_dir() or not args.force):
-            raise GGUFModelError(f"{f}: exists" + ("" if f.is_dir() else " (--force overwrites it)"))
+        refuse_existing(f, args.force)
     try:
         path = make_checkpoint(args.out_dir, args.preset, args.mix, args.split, args.seed, progress=True)
     except (ValueError, RuntimeError) as e:

@@ -11,7 +11,9 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 
 from glm5serve import __version__
 from glm5serve.errors import GGUFModelError
@@ -47,10 +49,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``glm5serve`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (timeout, docker stop, systemd) unwinds like Ctrl-C: `finally` blocks remove partial output
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.func(args) or 0)
     except GGUFModelError as e:

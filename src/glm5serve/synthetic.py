@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
 from glm5serve.checkpoint import _FILE_TYPES, FULL_PRESETS, PRESETS, Preset, gguf_metadata, layer_slice, \
-    preset_config, replacing, tensor_type
+    preset_config, refuse_existing, replacing, tensor_type
 from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
 from glm5serve.schema import expected_tensors
@@ -194,9 +194,7 @@ def add_parser(subparsers) -> None:
 
 def _run(args) -> int:
     out = Path(args.out)
-    # lexists: a dangling link was written through, creating its target; --force replaces the name (a link itself)
-    if os.path.lexists(out) and (out.is_dir() or not args.force):
-        raise GGUFModelError(f"{out}: exists" + ("" if out.is_dir() else " (--force overwrites it)"))
+    refuse_existing(out, args.force)  # a dangling link was written through, creating its target
     if not out.parent.is_dir():
         raise GGUFModelError(f"{out.parent}: " + ("not a directory" if out.parent.exists() else "no such directory"))
     try:

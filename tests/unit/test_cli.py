@@ -3,6 +3,14 @@ sub-command registry."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,7 +59,35 @@ def test_make_checkpoint_keeps_an_existing_checkpoint_unless_forced(tmp_path, ca
     # a directory in the way is never replaced, --force or not
     (tmp_path / "glm5-tiny-f32.gguf").mkdir()
     assert main(["make-checkpoint", str(tmp_path), "--mix", "f32", "--force"]) == 2
-    assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {tmp_path / 'glm5-tiny-f32.gguf'}: exists"
+    assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {tmp_path / 'glm5-tiny-f32.gguf'}: " \
+                                              "exists and is not a regular file (--force replaces only files and links)"
+
+
+def test_sigterm_and_an_unwritable_folder_leave_no_temporary_folder(tmp_path, monkeypatch, capsys):
+    """SIGTERM (timeout, docker stop) killed make-checkpoint with its hidden .glm5serve-* folder and a partial GGUF
+    left behind; a folder that cannot be written was reported by the temporary folder's name (review findings)."""
+    import glm5serve
+
+    out = tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "narrow",
+                             "--mix", "f32"], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while not any(f.is_file() for f in out.glob(".glm5serve-*/*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the GGUF is being written into the temporary folder
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert list(out.iterdir()) == []
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("tempfile.mkdtemp", refused)
+    assert main(["synthetic-gguf", str(tmp_path / "h.gguf"), "--preset", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == f"glm5serve synthetic-gguf: {tmp_path}: cannot write here (Operation " \
+                                              "not permitted)"
 
 
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
@@ -179,6 +215,14 @@ def test_force_replaces_a_link_never_its_target(tmp_path, capsys):
     for f in (out / "glm5-tiny-f32.gguf", tmp_path / "h.gguf", tmp_path / "d.gguf"):
         assert not f.is_symlink() and f.read_bytes()[:4] == b"GGUF", f
     assert sorted(p.name for p in out.iterdir()) == ["glm5-tiny-f32.gguf"]  # no temporary folder left
+    # a FIFO or a device node of that name is never replaced, --force or not (7de7dc6 replaced them: review finding)
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    for force in ([], ["--force"]):
+        assert main(["synthetic-gguf", str(fifo), "--preset", "tiny", *force]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve synthetic-gguf: {fifo}: exists and is not a regular " \
+                                                  "file (--force replaces only files and links)"
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
     assert main(["synthetic-gguf", str(tmp_path / "d2.gguf"), "--preset", "tiny"]) == 0  # a plain new name
     (tmp_path / "d3.gguf").symlink_to("nowhere3.gguf")
     assert main(["synthetic-gguf", str(tmp_path / "d3.gguf"), "--preset", "tiny"]) == 2  # without --force: kept
