@@ -85,10 +85,37 @@ def check_metadata(ctx: Context) -> list[Check]:
                   f"index_topk {c.index_topk}, vocab {c.vocab_size}{gating}")]
 
 
+#: what vLLM may hand a chat template: string content, or OpenAI-style parts (vLLM detects which one the template
+#: reads: vllm/renderers/hf.py ``_detect_content_format``), with or without a system message first
+_SYSTEM, _USER, _PARTS = "You are helpful.", "Hi", lambda text: [{"type": "text", "text": text}]
+_CONVERSATIONS = (
+    [{"role": "user", "content": _USER}],
+    [{"role": "user", "content": _PARTS(_USER)}],
+    [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _USER}],
+    [{"role": "system", "content": _PARTS(_SYSTEM)}, {"role": "user", "content": _PARTS(_USER)}],
+)
+
+
+def _chat_template_error(tok) -> str | None:
+    """None when ``tok.chat_template`` renders one of :data:`_CONVERSATIONS` (transformers ``apply_chat_template``,
+    as vLLM's chat endpoint calls it); else the first conversation's error, in one line."""
+    first = None
+    for messages in _CONVERSATIONS:
+        try:
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return None
+        except ImportError:
+            raise
+        except Exception as e:  # jinja2's TemplateSyntaxError or UndefinedError, a raise_exception(...)
+            first = first or " ".join(f"{type(e).__name__}: {e}".split())
+    return first
+
+
 def check_tokenizer(ctx: Context, chat_template: bool = True) -> list[Check]:
     """The ``tokenizer.ggml.*`` arrays build a working tokenizer (:func:`glm5serve.tokenizer.tokenizer_from_gguf`),
-    and (``chat_template``) ``tokenizer.chat_template``, where there is one, renders a user message as vLLM's chat
-    endpoint renders it (transformers ``apply_chat_template``)."""
+    and (``chat_template``) ``tokenizer.chat_template``, where there is one, renders a user message, alone or after
+    a system message, with string or OpenAI-style content, as vLLM's chat endpoint renders it (transformers
+    ``apply_chat_template``)."""
     from glm5serve.tokenizer import tokenizer_from_gguf
 
     try:
@@ -99,16 +126,16 @@ def check_tokenizer(ctx: Context, chat_template: bool = True) -> list[Check]:
     except Exception as e:  # malformed merges or tokens: the tokenizers library's own error
         return [_fail("tokenizer", f"tokenizer does not build: {type(e).__name__}: {e}", file=str(ctx.model.path))]
     chat = ""
-    if chat_template and tok.chat_template:  # vLLM's chat endpoint renders it per request: a broken one fails every chat request
+    if chat_template and tok.chat_template:  # vLLM's chat endpoint renders it per request: a broken one fails all
         try:
-            tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-            chat = ", chat template renders"
+            why = _chat_template_error(tok)
         except ImportError:  # no jinja2 (transformers needs it only for chat templates): not checked
             chat = ", chat template not checked (no jinja2)"
-        except Exception as e:  # jinja2's TemplateSyntaxError, a raise_exception(...) in the template
-            why = " ".join(f"{type(e).__name__}: {e}".split())
-            return [_fail("tokenizer", f"tokenizer.chat_template does not render a user message ({why})",
-                          file=str(ctx.model.path))]
+        else:
+            if why:
+                return [_fail("tokenizer", f"tokenizer.chat_template renders no conversation ({why})",
+                              file=str(ctx.model.path))]
+            chat = ", chat template renders"
     return [Check("tokenizer", True, f"gpt2 BPE, {len(tok)} tokens, {ctx.model.get('tokenizer.ggml.pre')} "
                                      f"pre-tokenizer, 'Hello, world! 123' -> {len(ids)} tokens{chat}")]
 

@@ -363,12 +363,23 @@ def test_a_chat_template_that_does_not_render(tiny_checkpoint, tmp_path, capsys)
 
     path = _with_key(tiny_checkpoint, tmp_path / "template.gguf", "tokenizer.chat_template", "{% for %}",
                      GGUFValueType.STRING)
-    line = _verify_fail(path, capsys, "template.gguf", "tokenizer.chat_template does not render a user message",
+    line = _verify_fail(path, capsys, "template.gguf", "tokenizer.chat_template renders no conversation",
                         "TemplateSyntaxError")
     assert line.startswith("FAIL  tokenizer")
-    _one_line(["serve", str(path), "--dry-run"], capsys, "template.gguf", "does not render")
-    assert main(["serve", str(path), "--dry-run", "--chat-template", "{{ messages[0].content }}"]) == 0
+    _one_line(["serve", str(path), "--dry-run"], capsys, "template.gguf", "renders no conversation")
+    for replaced in (["--chat-template", "{{ messages[0].content }}"], ["--tokenizer", "zai-org/GLM-5"]):
+        assert main(["serve", str(path), "--dry-run", *replaced]) == 0
     capsys.readouterr()
+    # templates vLLM serves: one reading OpenAI-style content parts (vLLM detects it and sends parts), one that
+    # wants a system message first (review findings: both failed verify and blocked serve)
+    for i, template in enumerate((
+            "{% for m in messages %}<|{{ m.role }}|>{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}",
+            "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}")):
+        ok = _with_key(tiny_checkpoint, tmp_path / f"ok{i}.gguf", "tokenizer.chat_template", template,
+                       GGUFValueType.STRING)
+        assert main(["verify", str(ok)]) == 0, capsys.readouterr().out
+        assert "chat template renders" in capsys.readouterr().out
     _one_line(["bench", str(path)], capsys, "CUDA GPU")  # past the pre-flight: no GPU here
     assert main(["verify", str(tiny_checkpoint)]) == 0
     assert "chat template renders" in capsys.readouterr().out

@@ -160,9 +160,9 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     (:func:`kernel_settings`).
     """
     kernels = kernel_settings()
-    # vLLM's --chat-template replaces the GGUF's: then a broken one in the file does not matter
+    # vLLM's --chat-template replaces the GGUF's, and --tokenizer brings its own: the file's then does not matter
     model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"),
-                           chat_template=option(vllm_args, "--chat-template") is None)
+                           chat_template=option(vllm_args, "--chat-template", "--tokenizer") is None)
     types: dict[str, int] = {}
     for t in model:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
