@@ -62,7 +62,8 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
     stem = f"{checkpoint_name(preset, mix, seed)}-x{split}{extra}-"
     target = cache_dir() / "checkpoints" / f"{stem}{code_digest()}"
     done = target / "COMPLETE"
-    if done.is_file() and (damage := _damage(target)):
+    # an entry only ever appears whole (renamed into place with COMPLETE inside): one without is damaged too
+    if os.path.lexists(target) and (damage := _damage(target)):
         print(f"glm5serve: cached checkpoint {target} is damaged ({damage}); rebuilding it", file=sys.stderr)
         aside = target.parent / f".build-damaged-{os.getpid()}-{time.time_ns()}"
         try:
@@ -71,7 +72,10 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
             pass  # another process moved it first
         shutil.rmtree(aside, ignore_errors=True)
     if done.is_file():
-        os.utime(target)  # in use: not stale
+        try:
+            os.utime(target)  # in use: not stale
+        except OSError:  # a cache shared read-only (another user's, a read-only mount) is still usable
+            pass
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
@@ -90,8 +94,11 @@ def cached_checkpoint(preset: str = "tiny", mix: str = "ud-q4_k_xl", split: int 
         # the same checkpoint written by older code, or a crashed build, unused for a day
         for stale in [*target.parent.glob(f"{stem}*"), *target.parent.glob(".build-*")]:
             older_code = re.fullmatch(r"[0-9a-f]{12}", stale.name[len(stem):]) and stale != target
-            if (older_code or stale.name.startswith(".build-")) and \
-                    time.time() - stale.stat().st_mtime > STALE_AFTER_S:
+            try:
+                unused_s = time.time() - stale.stat().st_mtime
+            except OSError:  # another builder's temporary folder, gone since the glob
+                continue
+            if (older_code or stale.name.startswith(".build-")) and unused_s > STALE_AFTER_S:
                 shutil.rmtree(stale, ignore_errors=True)
     return target / done.read_text().splitlines()[0]
 
@@ -101,6 +108,8 @@ def _damage(target: Path) -> str | None:
     ``name size`` line per file, size in bytes), or None if it does not. A file truncated or removed after the build,
     or a ``COMPLETE`` emptied or garbled, would otherwise be reported as a bad GGUF (or a traceback) on every use,
     never rebuilt."""
+    if not (target / "COMPLETE").is_file():
+        return "no COMPLETE file"
     lines = (target / "COMPLETE").read_text(errors="replace").splitlines()
     sizes = {}
     for line in lines[1:]:

@@ -340,7 +340,8 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
 
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove", "empty COMPLETE", "garbled COMPLETE"])
+@pytest.mark.parametrize("damage", ["truncate", "remove", "empty COMPLETE", "garbled COMPLETE", "no COMPLETE",
+                                    "COMPLETE a folder"])
 def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, capsys):
     """A cached file cut short or removed after its build (COMPLETE records each file's size), or a COMPLETE emptied
     or garbled, is rebuilt with a one-line note, not reported as a broken GGUF (or, for COMPLETE, a traceback:
@@ -362,9 +363,14 @@ def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, c
     elif damage == "empty COMPLETE":
         (first.parent / "COMPLETE").write_text("")
         said = "COMPLETE records no size for the model file ''"
-    else:
+    elif damage == "garbled COMPLETE":
         (first.parent / "COMPLETE").write_text(f"{first.name}\n{first.name}\n")
         said = f"COMPLETE line {first.name!r} is not 'name size'"
+    else:  # every use failed with the build folder's "Directory not empty" (fresh-user finding)
+        (first.parent / "COMPLETE").unlink()
+        if damage == "COMPLETE a folder":
+            (first.parent / "COMPLETE").mkdir()
+        said = "no COMPLETE file"
     again = cached_checkpoint("tiny", "bf16", split=2)
     err = capsys.readouterr().err
     assert again == first and {f: f.stat().st_size for f in (first, shard2)} == sizes
@@ -375,6 +381,22 @@ def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, c
     stamp = first.stat().st_mtime_ns
     assert cached_checkpoint("tiny", "bf16", split=2) == first and first.stat().st_mtime_ns == stamp
     assert capsys.readouterr().err == ""
+
+
+def test_a_cache_that_cannot_be_written_is_still_used(tmp_path, monkeypatch):
+    """A complete entry in a cache shared read-only (another user's, a read-only mount) failed every command with
+    'Permission denied' from touching its timestamp (fresh-user finding)."""
+    from glm5serve.cache import cached_checkpoint
+
+    monkeypatch.setenv("GLM5SERVE_CACHE", str(tmp_path))
+    first = cached_checkpoint("tiny", "f32")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("os.utime", refused)
+    assert cached_checkpoint("tiny", "f32") == first
+
 
 @pytest.mark.slow
 def test_narrow_preset(narrow_checkpoint, subprocess_json):
