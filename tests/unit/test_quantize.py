@@ -196,6 +196,13 @@ def test_bytes_match_ggml_reference(ggml, qtype):
 def test_ggml_quantize_rejects_partial_blocks(ggml):
     with pytest.raises(ValueError, match="whole number"):
         ggml(np.zeros((1, 100), dtype=np.float32), Q.Q8_0)
+    # these killed the process: GGML_ASSERT in ggml_quantize_chunk (Q8_K, I8), SIGFPE on rows of 0 (fresh-user
+    # finding); a whole pytest session went with them
+    for qtype in (Q.Q8_K, Q.I8):
+        with pytest.raises(ValueError, match=f"cannot quantize to {qtype.name}"):
+            ggml(np.zeros((2, 256), dtype=np.float32), qtype)
+    with pytest.raises(ValueError, match="row of 0 values"):
+        ggml(np.zeros((2, 0), dtype=np.float32), Q.Q4_0)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=ids)

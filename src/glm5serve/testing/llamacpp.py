@@ -62,19 +62,28 @@ def available() -> bool:
         return False
 
 
+#: the types ``ggml_quantize_chunk`` (ggml/src/ggml.c) has a case for; any other aborts the process
+_GGML_QUANTIZE_CHUNK_TYPES = frozenset(
+    "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4 Q2_K Q3_K Q4_K Q5_K Q6_K TQ1_0 TQ2_0 IQ2_XXS IQ2_XS IQ3_XXS IQ3_S IQ2_S IQ1_S "
+    "IQ1_M IQ4_NL IQ4_XS F16 BF16 F32".split())
+
+
 def ggml_quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Quantize with ggml itself: ``float32 (..., row)`` -> ``uint8 (..., row_bytes)``, same layout as
     ``gguf.quants.quantize``. Uses no importance matrix (``imatrix=NULL``), i.e. ggml's reference algorithm.
 
-    Raises LlamaCppUnavailable without llama-cpp-python, ValueError for a row that is not a whole number of
-    blocks or a type that needs an importance matrix.
+    Raises LlamaCppUnavailable without llama-cpp-python, ValueError for a type ``ggml_quantize_chunk`` has no case
+    for (Q8_K, the integer types: ggml aborts the process), a row of no values (a division by zero in ggml) or one
+    that is not a whole number of blocks, or a type that needs an importance matrix.
     """
     lib = libggml()
     qtype = GGMLQuantizationType(qtype)
+    if qtype.name not in _GGML_QUANTIZE_CHUNK_TYPES:
+        raise ValueError(f"ggml_quantize_chunk cannot quantize to {qtype.name}")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     x = np.ascontiguousarray(data, dtype=np.float32)
-    n_per_row = x.shape[-1]
-    if n_per_row % block_size:
+    n_per_row = x.shape[-1] if x.ndim else 0
+    if n_per_row == 0 or n_per_row % block_size:
         raise ValueError(f"row of {n_per_row} values is not a whole number of {qtype.name} blocks of {block_size}")
     if lib.ggml_quantize_requires_imatrix(int(qtype)):
         raise ValueError(f"ggml needs an importance matrix to quantize {qtype.name}")
