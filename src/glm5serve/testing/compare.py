@@ -60,8 +60,11 @@ def hf_hidden_states(model, input_ids: Sequence[int] | torch.Tensor) -> tuple[to
 
 def first_divergence(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], tol: float
                      ) -> tuple[int, float] | None:
-    """``(index, rel_err)`` of the first pair whose relative error exceeds ``tol``, or None if all agree."""
+    """``(index, rel_err)`` of the first pair whose relative error exceeds ``tol`` or is NaN (a NaN or inf in
+    either tensor), or None if all agree. Equal finite tensors agree (all-zero ones too, whose rel_err is 0/0)."""
     for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
-        if (e := rel_err(a, b)) > tol:
+        if a.shape == b.shape and torch.equal(a.cpu(), b.cpu()) and bool(torch.isfinite(b).all()):
+            continue
+        if not (e := rel_err(a, b)) <= tol:  # NaN compares false both ways: it must not read as agreement
             return i, e
     return None
