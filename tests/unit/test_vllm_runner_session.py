@@ -243,8 +243,14 @@ def test_fixed_kv_cache_size_reaches_the_engine_from_the_environment(fake_sessio
     assert "kv_cache_memory_bytes" not in profiled
 
 
-@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "four"])
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "four", "1e-12"])  # 1e-12: 0 bytes (fresh-user finding)
 def test_bad_kv_cache_size_is_refused(monkeypatch, bad):
     monkeypatch.setenv(KV_CACHE_ENV, bad)
     with pytest.raises(ValueError, match=f"{KV_CACHE_ENV}='{bad}': expected a positive number of GiB"):
         engine_kwargs("m.gguf")
+
+
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_kv_cache_size_is_unset(monkeypatch, empty):
+    monkeypatch.setenv(KV_CACHE_ENV, empty)  # was an error, where the other GLM5SERVE_* variables read it as unset
+    assert "kv_cache_memory_bytes" not in engine_kwargs("m.gguf")

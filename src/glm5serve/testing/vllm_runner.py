@@ -58,15 +58,16 @@ def kv_cache_bytes_from_env() -> int | None:
     asserts that it did not grow (vllm/v1/worker/gpu_worker.py, ``determine_available_memory``). Another process
     that frees or takes memory meanwhile (a second engine on the same GPU ending or starting) fails that assertion
     or shrinks the cache to nothing. With ``kv_cache_memory_bytes`` set vLLM skips the measurement, so several
-    engines can share one GPU. Raises ValueError for a value that is not a positive finite number."""
+    engines can share one GPU. Empty counts as unset. Raises ValueError for a value that is not a positive finite
+    number, or one below a byte."""
     raw = os.environ.get(KV_CACHE_ENV)
-    if raw is None:
+    if raw is None or not raw.strip():  # empty is unset, as for the other GLM5SERVE_* variables
         return None
     try:
         gib = float(raw)
     except ValueError:
         gib = float("nan")
-    if not 0 < gib < float("inf"):
+    if not 0 < gib < float("inf") or int(gib * 2**30) < 1:  # 1e-12 GiB was a cache of 0 bytes
         raise ValueError(f"{KV_CACHE_ENV}={raw!r}: expected a positive number of GiB")
     return int(gib * 2**30)
 
