@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``glm5serve`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # a latin-1 or ASCII terminal: escape what it cannot show, no traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (timeout, docker stop, systemd) unwinds like Ctrl-C: `finally` blocks remove partial output
         signal.signal(signal.SIGTERM, _terminate)

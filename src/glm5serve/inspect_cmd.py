@@ -11,7 +11,7 @@ import json
 import sys
 
 from glm5serve.errors import GGUFModelError
-from glm5serve.gguf_file import metadata_value
+from glm5serve.gguf_file import _short, metadata_value
 from glm5serve.gguf_file import GGUFModel
 
 
@@ -25,6 +25,9 @@ def summarize(model: GGUFModel) -> dict:
         by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.n_bytes
         n_by_type[t.qtype.name] = n_by_type.get(t.qtype.name, 0) + 1
     arch = model.metadata.get("general.architecture")
+    if arch is not None and not isinstance(arch, str):  # a NaN one made --json print NaN, which is not JSON
+        raise GGUFModelError(f"metadata key general.architecture is {_short(arch)}, expected a string",
+                             file=str(model.path))
 
     def key(k: str):  # a value of the wrong type: GGUFModelError naming the key and the type expected
         v = model.metadata.get(f"{arch}.{k}")

@@ -157,6 +157,19 @@ def test_console_script_prints_no_traceback(bad):
     assert proc.stderr.count("\n") == 1 and tensor in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_generate_on_a_terminal_that_is_not_utf8(tiny_checkpoint):
+    """PYTHONIOENCODING=latin-1 (or a prompt of 'héllo' under ASCII) gave a UnicodeEncodeError traceback for the
+    generated text (fresh-user finding): what the terminal cannot show is escaped."""
+    src = str(Path(glm5serve.__file__).parents[1])
+    for encoding, prompt in (("latin-1", "hi"), ("ascii", "h\u00e9llo \u4f60\u597d")):
+        env = dict(os.environ, PYTHONIOENCODING=encoding,
+                   PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-m", "glm5serve.cli", "generate", str(tiny_checkpoint), "--prompt",
+                               prompt, "--max-tokens", "4"], capture_output=True, env=env, timeout=300)
+        assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+        assert proc.stdout.decode(encoding).strip(), proc.stdout
+
+
 # ---------------------------------------------------------------- bad input a new-user trial found: every command
 # that opens the model (inspect, verify, generate) refuses it in one line naming the file (and key or tensor).
 
@@ -724,6 +737,19 @@ def test_inspect_prints_nothing_before_a_metadata_error(tiny_checkpoint, tmp_pat
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, (out, err)
     assert path.name in err and "glm-dsa.expert_count is 'sixteen', expected an integer" in err, err
+
+
+@pytest.mark.parametrize("value", [float("nan"), 7])
+def test_an_architecture_that_is_not_a_string(value, tiny_checkpoint, tmp_path, capsys):
+    """A NaN general.architecture made inspect --json print NaN, which strict JSON parsers refuse (fresh-user
+    finding); verify refused it already."""
+    from gguf import GGUFValueType
+
+    path = _with_key(tiny_checkpoint, tmp_path / "arch.gguf", "general.architecture", value,
+                     GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32)
+    for json_flag in ([], ["--json"]):
+        _one_line(["inspect", *json_flag, str(path)], capsys, "arch.gguf",
+                  "metadata key general.architecture is ", ", expected a string")
 
 
 def test_a_shard_with_the_wrong_split_number(tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
