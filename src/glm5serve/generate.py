@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
                    help="after the text, list each new token's logprob and the top-K alternatives (default 0: "
                         "no list)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default); else sample")
-    p.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**63-1 (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**32-1 as llama.cpp's (default 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and compute dtype (default float32)")
     p.add_argument("--mla", choices=("expanded", "absorbed"), default="expanded",
@@ -55,7 +55,8 @@ def _checked(convert, ok, what: str):
 
 
 _positive = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
-_seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1")  # what torch's manual_seed takes
+# llama.cpp's seed is a uint32_t, and torch's CPU generator keeps only the low 32 bits: 2**32 + 2 sampled as 2
+_seed = _checked(int, lambda v: 0 <= v < 2**32, "an integer in 0..2**32-1")
 _temperature = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 

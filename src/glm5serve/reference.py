@@ -136,6 +136,14 @@ def _check_num_layers(num_layers: int, cfg) -> int:
     return n
 
 
+def _is_seed(seed) -> bool:
+    """An integer (not a bool) in 0..2**32-1."""
+    try:
+        return not isinstance(seed, bool) and 0 <= operator.index(seed) < 2**32
+    except TypeError:
+        return False
+
+
 def _in_first_layers(hf_name: str, num_layers: int) -> bool:
     """Whether HF parameter ``hf_name`` belongs to a partial model: the embeddings or blocks ``0..num_layers-1``."""
     if hf_name == "model.embed_tokens.weight":
@@ -445,7 +453,9 @@ class ReferenceModel:
         vllm/sampling_params.py), where logits / temperature would overflow. Stops after yielding a token in
         ``stop_ids``. Raises ValueError for an empty prompt, a negative ``max_new_tokens``, a prompt plus
         ``max_new_tokens`` past the context length (``max_position_embeddings``, as vLLM refuses a request past
-        ``max_model_len``) or, when sampling, a temperature that is not finite > 0.
+        ``max_model_len``) or, when sampling, a temperature that is not finite > 0 or a ``seed`` outside
+        0..2**32-1 (llama.cpp's ``uint32_t`` seed; torch's CPU generator keeps only the low 32 bits, so larger seeds
+        would repeat smaller ones' samples).
         """
         if len(prompt_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
@@ -457,9 +467,11 @@ class ReferenceModel:
                              f"context length of {n_ctx} tokens")
         if not greedy and not (math.isfinite(temperature) and temperature > 0):  # -1 would invert the distribution
             raise ValueError(f"sampling needs a finite temperature > 0, not {temperature}")
+        if not greedy and not _is_seed(seed):
+            raise ValueError(f"seed must be an integer in 0..2**32-1, not {seed!r}")
         greedy = greedy or temperature < 1e-5
         cache = self.new_cache()
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen = None if greedy else torch.Generator(device=self.device).manual_seed(operator.index(seed))
         logits = self.forward(list(prompt_ids), cache)[-1]
         for n in range(max_new_tokens):
             logprobs = torch.log_softmax(logits, dim=-1)

@@ -674,9 +674,18 @@ def test_generate_refuses_what_the_model_cannot_hold(tiny_checkpoint, capsys):
     _one_line(["generate", str(tiny_checkpoint), "--prompt", "the cat sat on the mat. " * 200], capsys,
               "exceeds the model's context length of 512 tokens")
     _one_line(["generate", str(tiny_checkpoint), "--prompt", "bad \udcff\udcfe bytes"], capsys, "not valid UTF-8")
-    with pytest.raises(SystemExit) as e:
-        main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--seed", str(10**20)])
-    assert e.value.code == 2 and "--seed" in capsys.readouterr().err
+    # 2**32 and up: llama.cpp's seed is 32 bits, and torch's CPU generator sampled 2**32 + 2 as 2 (fresh-user finding)
+    for seed in (10**20, 2**32):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(tiny_checkpoint), "--prompt", "Hi", "--seed", str(seed)])
+        assert e.value.code == 2 and "--seed" in capsys.readouterr().err
+    from glm5serve.reference import ReferenceModel
+
+    model = ReferenceModel.from_gguf(tiny_checkpoint)
+    for seed in (2**32 + 2, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"seed must be an integer in 0..2\*\*32-1"):
+            next(model.stream([1, 2], 1, greedy=False, seed=seed))
+    assert len(list(model.stream([1, 2], 1, greedy=False, seed=np.uint32(2**32 - 1)))) == 1
 
 
 def test_rows_that_are_not_whole_quant_blocks(tiny_checkpoint, tmp_path, capsys):
