@@ -167,11 +167,11 @@ class _Reader(GGUFReader):
             if tensor in seen:  # gguf-py's "Found duplicated tensor" came out as a corrupt header
                 raise _TensorProblem(tensor, "tensor stored twice")
             seen.add(tensor)
-            # gguf.cpp refuses both ("invalid number of dimensions", "number of elements overflows"); here the
-            # product wrapped in int64 and the tensor read as "truncated"
             ne = [int(d) for d in dims]
             if not ne:  # a scalar for ggml; gguf-py indexes ne[0] ("index 0 is out of bounds", a corrupt header)
                 raise _TensorProblem(tensor, "0 dimensions: gguf-py cannot read a tensor without ne[0]")
+            # gguf.cpp refuses both ("invalid number of dimensions", "number of elements overflows"); here the
+            # product wrapped in int64 and the tensor read as "truncated"
             if len(ne) > GGML_MAX_DIMS:
                 raise _TensorProblem(tensor, f"{len(ne)} dimensions (ne {ne}): ggml has at most {GGML_MAX_DIMS}")
             if math.prod(ne) > _INT64_MAX or any(d > _INT64_MAX for d in ne):
