@@ -38,6 +38,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from glm5serve.testing.vllm_runner import kv_cache_bytes_from_env
+
 pytestmark = pytest.mark.gpu
 
 LAYERS = 5
@@ -51,7 +53,7 @@ spec = json.load(open(sys.argv[1]))
 from vllm import LLM, SamplingParams
 t = time.time()
 llm = LLM(model=spec["model"], load_format="glm5-synthetic", tensor_parallel_size=spec["tp"], dtype="bfloat16",
-          seed=0, max_model_len=512, gpu_memory_utilization=0.8, max_num_seqs=8, **spec["mode"])
+          seed=0, max_model_len=512, gpu_memory_utilization=0.8, max_num_seqs=8, **spec["mode"], **spec["kv"])
 init_s = time.time() - t
 import random
 rng = random.Random(0)
@@ -89,8 +91,10 @@ def test_synthetic_slice_generates_finite_logprobs(slice_header, results_dir, tp
     _need_gpus(tp)
     name = f"synthetic-{mode}-tp{tp}"
     spec_file, out, log = (results_dir / f"{name}.{ext}" for ext in ("spec.json", "json", "log"))
+    kv = kv_cache_bytes_from_env()  # a fixed cache lets this engine share the GPU with others (vllm_runner)
     spec_file.write_text(json.dumps({"model": str(slice_header), "tp": tp, "mode": MODES[mode], "vocab": 154880,
-                                     "max_tokens": MAX_TOKENS}))
+                                     "max_tokens": MAX_TOKENS,
+                                     "kv": {} if kv is None else {"kv_cache_memory_bytes": kv}}))
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, "-c", ENGINE, str(spec_file), str(out)], stdout=f,
