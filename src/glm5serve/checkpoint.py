@@ -422,11 +422,28 @@ def refuse_existing(path: Path, force: bool) -> None:
         raise GGUFModelError(f"{path}: exists (--force overwrites it)")
 
 
+def _keep_mode_and_owner(old: Path, new: Path) -> None:
+    """Give ``new`` the permission bits and (best effort: only root may give a file away) owner and group of the
+    regular file ``old``; nothing when ``old`` is missing or a symbolic link (the link is replaced, not its target)."""
+    try:
+        st = old.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    os.chmod(new, stat.S_IMODE(st.st_mode))
+    try:
+        os.chown(new, st.st_uid, st.st_gid)
+    except PermissionError:
+        pass
+
+
 @contextlib.contextmanager
 def replacing(paths: list[Path]) -> Iterator[list[Path]]:
     """Paths to write instead of ``paths`` (same names, in a hidden folder beside them). When the block ends without
     an error each is renamed over its path (``os.replace``: a symbolic link at that name is replaced, never written
-    through, and no reader sees half a file); otherwise they are deleted and whatever ``paths`` held is kept."""
+    through, and no reader sees half a file), taking the permission bits and, where allowed, the owner of a regular
+    file it replaces (as ``sed -i`` does); otherwise they are deleted and whatever ``paths`` held is kept."""
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".glm5serve-", dir=paths[0].parent))
     except OSError as e:  # name the folder asked for, not the temporary one
@@ -434,6 +451,7 @@ def replacing(paths: list[Path]) -> Iterator[list[Path]]:
     try:
         yield [tmp / p.name for p in paths]
         for t, p in zip((tmp / p.name for p in paths), paths):
+            _keep_mode_and_owner(p, t)
             os.replace(t, p)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -229,6 +229,27 @@ def test_force_replaces_a_link_never_its_target(tmp_path, capsys):
     assert "exists (--force overwrites it)" in capsys.readouterr().err and not (tmp_path / "nowhere3.gguf").exists()
 
 
+def test_force_keeps_the_replaced_files_mode_and_owner(tmp_path, capsys):
+    """A file replaced by --force came back with default permissions and the current owner (session 41 left-alone
+    item): it keeps its permission bits, and its owner and group where the user may set them (root here)."""
+    out = tmp_path / "h.gguf"
+    assert main(["synthetic-gguf", str(out), "--preset", "tiny"]) == 0
+    os.chmod(out, 0o640)
+    if os.geteuid() == 0:
+        os.chown(out, 4321, 4322)
+    assert main(["synthetic-gguf", str(out), "--preset", "tiny", "--layers", "2", "--force"]) == 0
+    st = out.lstat()
+    assert stat.S_IMODE(st.st_mode) == 0o640 and out.read_bytes()[:4] == b"GGUF"
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (4321, 4322)
+    # a new name gets the umask's permissions, not some earlier file's
+    assert main(["synthetic-gguf", str(tmp_path / "new.gguf"), "--preset", "tiny"]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.gguf").lstat().st_mode) == 0o666 & ~umask
+    capsys.readouterr()
+
+
 def test_generate_options_are_checked(capsys):
     for bad in (["--temperature", "nan"], ["--temperature", "-1"], ["--qa-kv-norm-eps", "foo"],
                 ["--qa-kv-norm-eps", "0"]):
