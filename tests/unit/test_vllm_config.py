@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -151,6 +152,27 @@ def test_explicit_config_folder_and_tokenizer_are_kept(registered, tiny_checkpoi
     mc = EngineArgs(model=str(tiny_checkpoint), hf_config_path=str(mine), tokenizer=str(mine),
                     enforce_eager=True).create_model_config()
     assert (mc.hf_config_path, mc.tokenizer) == (str(mine), str(mine))
+
+
+def test_a_tokenizer_given_to_vllm_replaces_the_ggufs(registered, tiny_checkpoint, tmp_path, gguf_rewrite):
+    """With --tokenizer the GGUF's tokenizer is never built: a file whose merges are missing still gets its config
+    (the config folder was written with the GGUF's tokenizer, which failed: session 41 left-alone item)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.vllm_plugin.config_parser import glm5_config, hf_folder
+
+    mine = tmp_path / "mine"
+    shutil.copytree(hf_folder(tiny_checkpoint), mine)
+    path = str(gguf_rewrite(tiny_checkpoint, tmp_path / "notok.gguf", drop_keys={"tokenizer.ggml.merges"}))
+    with pytest.raises(GGUFModelError, match="merges"):
+        EngineArgs(model=path, enforce_eager=True).create_model_config()
+    mc = EngineArgs(model=path, tokenizer=str(mine), enforce_eager=True).create_model_config()
+    assert mc.tokenizer == str(mine) and mc.hf_config_path == str(hf_folder(path, tokenizer=False))
+    got, want = mc.hf_config.to_dict(), glm5_config(str(tiny_checkpoint)).to_dict()
+    assert got.pop("_name_or_path") == mc.hf_config_path and got == {k: v for k, v in want.items()
+                                                                     if k != "_name_or_path"}
+    assert not list(Path(mc.hf_config_path).glob("tokenizer*"))
 
 
 def test_glm52_shared_indexer_layers_become_vllms_topk_pattern(registered, tmp_path):

@@ -64,8 +64,10 @@ def glm5_config(model):
     return cfg
 
 
-def hf_folder(gguf_path) -> Path:
-    """The HF-style folder (config, generation config, tokenizer) for a GLM-5 GGUF, written once per file version.
+def hf_folder(gguf_path, tokenizer: bool = True) -> Path:
+    """The HF-style folder (config, generation config and, if ``tokenizer``, the tokenizer) for a GLM-5 GGUF, written
+    once per file version. Without ``tokenizer`` (vLLM was given ``--tokenizer``) the GGUF's tokenizer is never built,
+    so one that does not build is no obstacle; that folder is another cache entry.
 
     Keyed by the resolved path, size and mtime of shard 1, the transformers version and a digest of the code that
     writes it (:data:`WRITERS`, :func:`glm5serve.cache.code_digest`); written to a temporary folder
@@ -84,7 +86,7 @@ def hf_folder(gguf_path) -> Path:
 
     stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{code_digest(WRITERS)}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    out = cache_dir() / "hf" / f"{p.stem}-{key}"
+    out = cache_dir() / "hf" / f"{p.stem}-{key}{'' if tokenizer else '-config'}"
     if (out / "config.json").is_file():
         return out
     model = GGUFModel(p)
@@ -97,7 +99,8 @@ def hf_folder(gguf_path) -> Path:
         if len(eog := eog_token_ids(model)) > 1:  # vLLM adds the others to every request's stop_token_ids
             gen.eos_token_id = eog
         gen.save_pretrained(tmp)
-        tokenizer_from_gguf(model).save_pretrained(tmp)
+        if tokenizer:
+            tokenizer_from_gguf(model).save_pretrained(tmp)
         shareable(tmp)
         try:
             tmp.rename(out)
@@ -121,7 +124,7 @@ def register() -> None:
 def _hook_engine_args() -> None:
     """Wrap ``EngineArgs.create_model_config`` (outside the plugin's own wrap, which turns GGUF on and picks the
     config folder from ``hf_config_path``): a GLM-5 GGUF without ``--hf-config-path``/``--tokenizer`` gets the
-    :func:`hf_folder` for both."""
+    :func:`hf_folder` for whichever is missing (without the tokenizer when ``--tokenizer`` brings one)."""
     from vllm.engine.arg_utils import EngineArgs
 
     orig = EngineArgs.create_model_config
@@ -132,7 +135,7 @@ def _hook_engine_args() -> None:
     def create_model_config(self, *args, **kwargs):
         if (self.hf_config_path is None or self.tokenizer is None) and isinstance(self.model, str) \
                 and is_glm_dsa_gguf(self.model):
-            folder = str(hf_folder(self.model))
+            folder = str(hf_folder(self.model, tokenizer=self.tokenizer is None))
             self.hf_config_path = self.hf_config_path or folder
             self.tokenizer = self.tokenizer or folder
         return orig(self, *args, **kwargs)

@@ -132,19 +132,19 @@ def kernel_settings() -> str:
             "linear weights as split rows)")
 
 
-def preflight(path, tp: int, load_format: str = "auto", chat_template: bool = True):
+def preflight(path, tp: int, load_format: str = "auto", chat_template: bool = True, tokenizer: bool = True):
     """The checks ``serve`` and ``bench`` make before vLLM starts: ``glm5serve verify --tp``'s open, metadata,
-    tokenizer (with the GGUF's chat template if ``chat_template``), tensor, type and TP checks (not the finite-values
-    check: it reads every weight), and that the data fits ``load_format``
+    tokenizer (if ``tokenizer``; with the GGUF's chat template if ``chat_template`` too), tensor, type and TP checks
+    (not the finite-values check: it reads every weight), and that the data fits ``load_format``
     (:func:`glm5serve.synthetic.check_load_format`). Returns ``(GGUFModel, config)``; raises GGUFModelError with
     verify's message."""
     from glm5serve import verify
     from glm5serve.synthetic import check_load_format
 
-    def tokenizer(ctx):
+    def check_tokenizer(ctx):
         return verify.check_tokenizer(ctx, chat_template)
 
-    ctx = verify.require(path, (verify.check_open, verify.check_metadata, tokenizer,
+    ctx = verify.require(path, (verify.check_open, verify.check_metadata, *([check_tokenizer] if tokenizer else []),
                                 verify.check_tensors, verify.check_types, verify.check_tp), tp)
     check_load_format(ctx.model, load_format)
     return ctx.model, ctx.cfg
@@ -160,9 +160,11 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     (:func:`kernel_settings`).
     """
     kernels = kernel_settings()
-    # vLLM's --chat-template replaces the GGUF's, and --tokenizer brings its own: the file's then does not matter
-    model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"),
-                           chat_template=option(vllm_args, "--chat-template", "--tokenizer") is None)
+    # vLLM's --tokenizer brings its own tokenizer and template, --chat-template its own template: the file's are
+    # then never built or rendered
+    own_tokenizer = option(vllm_args, "--tokenizer") is not None
+    model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"), tokenizer=not own_tokenizer,
+                           chat_template=not own_tokenizer and option(vllm_args, "--chat-template") is None)
     types: dict[str, int] = {}
     for t in model:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
