@@ -16,9 +16,11 @@ almost never all zero (no top-k ties).
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import zlib
@@ -422,6 +424,28 @@ def refuse_existing(path: Path, force: bool) -> None:
         raise GGUFModelError(f"{path}: exists (--force overwrites it)")
 
 
+def _tmp_prefix() -> str:
+    """``.glm5serve-HOST-``: :func:`replacing`'s folders are ``.glm5serve-HOST-PID-XXXXXXXX`` beside the output."""
+    return f".glm5serve-{socket.gethostname().replace('-', '_')}-"
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Delete the :func:`replacing` folders in ``folder`` that a process of this host made and no longer runs
+    (SIGKILL, an OOM kill, a power cut end a run before its cleanup: nothing else would ever remove them). A folder
+    of another host, or of a process still alive (or a PID reused since), is left alone."""
+    prefix = _tmp_prefix()
+    for d in folder.glob(f"{glob.escape(prefix)}*-*"):
+        pid = d.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (PermissionError, OverflowError, OSError):  # another user's live process, or a number no PID has
+            pass
+
+
 def _keep_mode_and_owner(old: Path, new: Path) -> None:
     """Give ``new`` the permission bits and (best effort: only root may give a file away) owner and group of the
     regular file ``old``; nothing when ``old`` is missing or a symbolic link (the link is replaced, not its target)."""
@@ -443,9 +467,11 @@ def replacing(paths: list[Path]) -> Iterator[list[Path]]:
     """Paths to write instead of ``paths`` (same names, in a hidden folder beside them). When the block ends without
     an error each is renamed over its path (``os.replace``: a symbolic link at that name is replaced, never written
     through, and no reader sees half a file), taking the permission bits and, where allowed, the owner of a regular
-    file it replaces (as ``sed -i`` does); otherwise they are deleted and whatever ``paths`` held is kept."""
+    file it replaces (as ``sed -i`` does); otherwise they are deleted and whatever ``paths`` held is kept. Folders a
+    killed run left there are removed first (:func:`_remove_orphans`)."""
+    _remove_orphans(paths[0].parent)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".glm5serve-", dir=paths[0].parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix()}{os.getpid()}-", dir=paths[0].parent))
     except OSError as e:  # name the folder asked for, not the temporary one
         raise OSError(e.errno, f"cannot write here ({e.strerror or e})", str(paths[0].parent)) from None
     try:

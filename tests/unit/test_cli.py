@@ -90,6 +90,36 @@ def test_sigterm_and_an_unwritable_folder_leave_no_temporary_folder(tmp_path, mo
                                               "not permitted)"
 
 
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, capsys):
+    """SIGKILL (or an OOM kill) during make-checkpoint left its hidden folder with a partial GGUF, and nothing ever
+    removed it (session 41 left-alone item): the next run into that folder removes it, and only it: a folder of a
+    process still running or of another host is kept."""
+    import socket
+
+    import glm5serve
+
+    out = tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "narrow",
+                             "--mix", "f32"], stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 240
+    while not any(f.is_file() for f in out.glob(".glm5serve-*/*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=60)
+    host = socket.gethostname().replace("-", "_")
+    (orphan,) = out.glob(f".glm5serve-{host}-{proc.pid}-*")
+    live = out / f".glm5serve-{host}-{os.getppid()}-abc"
+    elsewhere = out / f".glm5serve-other_host-{proc.pid}-abc"
+    for d in (live, elsewhere):
+        d.mkdir()
+    assert main(["make-checkpoint", str(out), "--mix", "f32"]) == 0
+    capsys.readouterr()
+    assert not orphan.exists() and live.is_dir() and elsewhere.is_dir()
+    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, elsewhere.name, "glm5-tiny-f32.gguf"])
+
+
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
     assert main(["inspect", "--json", str(tiny_split_checkpoint)]) == 0
     got = json.loads(capsys.readouterr().out)
