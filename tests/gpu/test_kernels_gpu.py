@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from glm5serve.kernels import GemvConfig, gguf_linear, gguf_moe, pick_config
 from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
-from glm5serve.kernels.gguf_moe import per_pair
+from glm5serve.kernels.gguf_topk_moe import per_pair
 from glm5serve.kernels.gguf_gemv import BLOCK_SIZES, _device_info, _mma_tile, _q8_applies
 from glm5serve.kernels.gguf_split import gguf_linear_split, pick_split_config, split_rows, split_type
 from glm5serve.kernels.testing import (
@@ -477,7 +477,7 @@ def test_moe_q8_dp4a_equals_its_emulation(T):
 
 
 def test_moe_prefetch_changes_no_bit(monkeypatch):
-    gm = importlib.import_module("glm5serve.kernels.gguf_moe")
+    gm = importlib.import_module("glm5serve.kernels.gguf_topk_moe")
     rng = np.random.default_rng(5)
     E, H, inter, k = 8, 512, 256, 4
     w13, w2 = _moe_weights(Q.Q5_K, Q.Q8_0, E, H, inter, rng)

@@ -218,7 +218,7 @@ def test_moe_path_by_batch():
     """gguf_moe runs the per-pair kernels up to 16 tokens, or up to MOE_Q8_MAX_M (128) where both projections run
     with int8 activations (Q4_K w13 and w2, and q8, i.e. bf16/fp16 x on a GPU: measured faster than the grouped
     path there), and the grouped tensor-core kernels beyond."""
-    from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M, per_pair
+    from glm5serve.kernels.gguf_topk_moe import MOE_Q8_MAX_M, per_pair
 
     assert MOE_Q8_MAX_M == 128
     for q13 in SUPPORTED_QTYPES:
@@ -377,11 +377,8 @@ def test_moe_launches_pair_launch_pdl_with_the_wait_and_take_their_tiles(monkeyp
     is compiled with PDL (never under ``off``); an fp32-decode projection launches plainly.  Down takes the slots
     side by side (``_slots_tile``: SLOTS = top-k rounded up to a power of two, up to MOE_Q8_SLOTS_MAX_ROWS) for w2
     rows of up to MOE_Q8_SLOTS_MAX_BLOCKS super-blocks, else the slot loop; gate+up takes ``_gate_up_tile``."""
-    import sys
+    from glm5serve.kernels import gguf_gemv_q8, gguf_moe, gguf_topk_moe as gm
 
-    from glm5serve.kernels import gguf_gemv_q8, gguf_moe
-
-    gm = sys.modules["glm5serve.kernels.gguf_moe"]  # the package exports the function under the module's name
     log: list = []
     monkeypatch.setattr(gguf_gemv_q8, "_quantize_x_kernel", _Launches("quantize", log))
     for name in ("_moe_gate_up_q8_kernel", "_moe_down_q8_kernel", "_moe_down_q8_slots_kernel", "_moe_down_kernel"):

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 g = importlib.import_module("glm5serve.kernels.gguf_gemv")
-gm = importlib.import_module("glm5serve.kernels.gguf_moe")  # the package exports a function of that name
+gm = importlib.import_module("glm5serve.kernels.gguf_topk_moe")
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 if not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists():

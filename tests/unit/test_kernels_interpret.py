@@ -225,8 +225,8 @@ else:
         from glm5serve.kernels.gguf_gemv_q8 import quantize_activations
         from glm5serve.kernels.testing import q8_moe_bound, q8_moe_model
 
-        if slots_max is not None:  # the package exports the function gguf_moe under the module's name
-            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
+        if slots_max is not None:
+            monkeypatch.setattr("glm5serve.kernels.gguf_topk_moe.MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
         q13 = Q.Q4_K
         blocks = (3, 2) if topk == 3 else (1, 1)  # super-blocks of H and of the intermediate
         x, w13, w2, ids, wts = _moe_case(q13, q2, _k(q13, blocks[0]), _k(q2, blocks[1]), 100 + int(q2) + topk % 3)
@@ -254,7 +254,7 @@ else:
         weight: inf or NaN there gives the output bit-identical to weight 0 on every per-pair down kernel (it used
         to enter as wt * 0 = NaN)."""
         if slots_max is not None:
-            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
+            monkeypatch.setattr("glm5serve.kernels.gguf_topk_moe.MOE_Q8_SLOTS_MAX_BLOCKS", slots_max)
         x, w13, w2, ids, wts = _moe_case(Q.Q4_K, Q.Q4_K, _k(Q.Q4_K, 1), _k(Q.Q4_K, 1), 120)
         ids[2, 0] = 3  # >= E: dropped too
         outs = []
@@ -832,7 +832,7 @@ else:
         from glm5serve.kernels.gguf_gemv import dequantize_rows
         from glm5serve.kernels.gguf_gemv_q8 import gguf_linear_q8
         from glm5serve.kernels.gguf_mma import gguf_linear_mma, gguf_linear_split_mma
-        from glm5serve.kernels.gguf_moe import expert_groups
+        from glm5serve.kernels.gguf_topk_moe import expert_groups
         from glm5serve.kernels.gguf_split import (base_type, can_split, dequantize_split_rows, gguf_linear_split,
                                                   join_rows, split_rows, split_type)
 
@@ -943,7 +943,7 @@ else:
         x, w13, w2, ids, wts = _moe_case(Q.Q4_K, Q.Q4_K, 256, 256, 7)
         bad = torch.tensor([[0, 3], [1, -1], [1000, 2]], dtype=torch.int32)  # E = 3
         if path == "q8-slot-loop":
-            monkeypatch.setattr(sys.modules["glm5serve.kernels.gguf_moe"], "MOE_Q8_SLOTS_MAX_BLOCKS", 0)
+            monkeypatch.setattr("glm5serve.kernels.gguf_topk_moe.MOE_Q8_SLOTS_MAX_BLOCKS", 0)
         kw = dict(grouped=True) if path == "grouped" else dict(q8=path != "fp32", grouped=False)
         if path == "grouped":
             x = x.to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""``kernels.gguf_moe.expert_groups``: the (token, slot) pairs of a routing sorted by expert and padded into
+"""``kernels.gguf_topk_moe.expert_groups``: the (token, slot) pairs of a routing sorted by expert and padded into
 groups, the layout the grouped MoE kernels read (vLLM's ``moe_align_block_size`` layout). Checked against the
 definition, for drawn routings with repeated experts, unused experts and dropped (negative) ids."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from glm5serve.kernels.gguf_moe import expert_groups
+from glm5serve.kernels.gguf_topk_moe import expert_groups
 
 
 @st.composite

@@ -180,7 +180,7 @@ def test_a_prefill_rounds_only_what_an_engine_step_of_its_size_rounds(model, mon
     experts too when named, reached as slices of the 3-D tensors), after it every kernel linear does; the prefill's
     rows equal a one-pass forward that rounds only the output head, the later rows do not."""
     from glm5serve.kernels.gguf_gemv import MAX_FAST_M
-    from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M
+    from glm5serve.kernels.gguf_topk_moe import MOE_Q8_MAX_M
     from glm5serve.testing.activation_rounding import (EXPERT_SUFFIXES, UNROUNDED_SUFFIXES, int8_activations,
                                                        rounded_in_prefill)
 

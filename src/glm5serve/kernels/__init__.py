@@ -6,6 +6,6 @@ meant to replace the plugin's kernels (decode batches of 1..256 rows); ``vllm_op
 ``GGUFLinearMethod``/``GGUFMoEMethod`` use them there.
 """
 from glm5serve.kernels.gguf_gemv import SUPPORTED_QTYPES, GemvConfig, gguf_linear, pick_config, supports
-from glm5serve.kernels.gguf_moe import gguf_moe, supports_moe
+from glm5serve.kernels.gguf_topk_moe import gguf_moe, supports_moe
 
 __all__ = ["SUPPORTED_QTYPES", "GemvConfig", "gguf_linear", "gguf_moe", "pick_config", "supports", "supports_moe"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from glm5serve.kernels.gguf_gemv import SPLIT_QTYPES, gguf_linear, supports
-from glm5serve.kernels.gguf_moe import gguf_moe, supports_moe
+from glm5serve.kernels.gguf_topk_moe import gguf_moe, supports_moe
 
 _MARK = "_glm5serve_kernels"
 _FAST_DTYPES = (torch.bfloat16, torch.float16)

@@ -43,10 +43,10 @@ PREFILL_ROUNDED = ("lm_head.weight",)
 def rounded_in_prefill(tokens: int) -> tuple[str, ...] | None:
     """The weights (name suffixes) whose linears the kernels may run with int8 activations in an engine step of
     ``tokens`` rows (every request's prompt tokens of a prefill together): all of them (None) up to
-    ``gguf_gemv.MAX_FAST_M`` rows; the routed experts up to ``gguf_moe.MOE_Q8_MAX_M`` (the per-pair MoE path); and
+    ``gguf_gemv.MAX_FAST_M`` rows; the routed experts up to ``gguf_topk_moe.MOE_Q8_MAX_M`` (the per-pair MoE path); and
     beyond, the output head (:data:`PREFILL_ROUNDED`), which sees one row per request, the sampled one."""
     from glm5serve.kernels.gguf_gemv import MAX_FAST_M
-    from glm5serve.kernels.gguf_moe import MOE_Q8_MAX_M
+    from glm5serve.kernels.gguf_topk_moe import MOE_Q8_MAX_M
 
     if tokens <= MAX_FAST_M:
         return None
