@@ -63,19 +63,26 @@ def test_make_checkpoint_keeps_an_existing_checkpoint_unless_forced(tmp_path, ca
                                               "exists and is not a regular file (--force replaces only files and links)"
 
 
-def test_sigterm_and_an_unwritable_folder_leave_no_temporary_folder(tmp_path, monkeypatch, capsys):
-    """SIGTERM (timeout, docker stop) killed make-checkpoint with its hidden .glm5serve-* folder and a partial GGUF
-    left behind; a folder that cannot be written was reported by the temporary folder's name (review findings)."""
+def _make_checkpoint_writing(out: Path) -> subprocess.Popen:
+    """``glm5serve make-checkpoint OUT --preset narrow --mix f32`` in a child process, returned once the GGUF is being
+    written into its temporary folder (stderr piped as text)."""
     import glm5serve
 
-    out = tmp_path / "ck"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "narrow",
                              "--mix", "f32"], stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 240
     while not any(f.is_file() for f in out.glob(".glm5serve-*/*")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # until the GGUF is being written into the temporary folder
+        time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_and_an_unwritable_folder_leave_no_temporary_folder(tmp_path, monkeypatch, capsys):
+    """SIGTERM (timeout, docker stop) killed make-checkpoint with its hidden .glm5serve-* folder and a partial GGUF
+    left behind; a folder that cannot be written was reported by the temporary folder's name (review findings)."""
+    out = tmp_path / "ck"
+    proc = _make_checkpoint_writing(out)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
@@ -96,18 +103,10 @@ def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, cap
     process still running or of another host is kept."""
     import socket
 
-    import glm5serve
-
     out = tmp_path / "ck"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glm5serve.cli", "make-checkpoint", str(out), "--preset", "narrow",
-                             "--mix", "f32"], stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 240
-    while not any(f.is_file() for f in out.glob(".glm5serve-*/*")) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = _make_checkpoint_writing(out)
     proc.kill()
-    proc.wait(timeout=60)
+    proc.communicate(timeout=60)
     host = socket.gethostname().replace("-", "_")
     (orphan,) = out.glob(f".glm5serve-{host}-{proc.pid}-*")
     live = out / f".glm5serve-{host}-{os.getppid()}-abc"
