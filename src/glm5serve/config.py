@@ -115,7 +115,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
     Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
-    key holds a value of the wrong type (naming the key and the type expected), ``block_count`` names more blocks
+    key holds a value of the wrong type (naming the key and the type expected: ``tokenizer.ggml.tokens`` and
+    ``attention.indexer.types`` must be arrays), ``block_count`` names more blocks
     than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
     positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
@@ -168,6 +169,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise GGUFModelError(f"{ARCH}.expert_gating_func={gating} is neither softmax (1) nor sigmoid (2)", file=path)
     tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is not None and (isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__")):
+        raise GGUFModelError(f"metadata key tokenizer.ggml.tokens is {_short(tokens)}, expected an array of strings",
+                             file=path)
     vocab = opt("vocab_size", len(tokens) if tokens is not None else 0)
     if vocab <= 0:
         raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size", file=path)

@@ -59,6 +59,14 @@ def test_missing_key_and_foreign_arch_are_one_line_errors():
         config_from_metadata(_md(**{"general.architecture": "llama"}))
 
 
+@pytest.mark.parametrize("tokens", [5, "abc"])
+def test_tokens_that_are_not_an_array_name_the_key(tokens):
+    """A scalar ``tokenizer.ggml.tokens`` (llama.cpp asserts on gguf_get_arr_n): one line naming the key, not
+    verify's "inconsistent metadata: object of type 'int' has no len()" (or a string's length read as a vocab)."""
+    with pytest.raises(GGUFModelError, match=r"tokenizer\.ggml\.tokens is .*, expected an array of strings"):
+        config_from_metadata(_md(**{"tokenizer.ggml.tokens": tokens}))
+
+
 # ---- schema ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
