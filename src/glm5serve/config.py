@@ -84,7 +84,7 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
     if types is not None:
         if len(types) < cfg.num_hidden_layers:
             out.append(f"{a}attention.indexer.types has {len(types)} entries for {cfg.num_hidden_layers} layers")
-        elif not types[0]:
+        elif cfg.indexer_types[0] == "shared":  # a boolean false or the name
             out.append(f"{a}attention.indexer.types: layer 0 is 'shared' but no earlier layer has an indexer")
     return out
 
@@ -120,7 +120,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
     positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
-    ``leading_dense_block_count``, a special token id outside the vocabulary), or when transformers'
+    ``leading_dense_block_count``, a special token id outside the vocabulary, an ``attention.indexer.types``
+    name other than ``full``/``shared``), or when transformers'
     ``GlmMoeDsaConfig`` rejects the values (its own message, one line).
     """
     if isinstance(model, (str, os.PathLike)):
@@ -188,8 +189,11 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
             raise GGUFModelError(f"metadata key {ARCH}.attention.indexer.types is {_short(indexer_types)}, "
                                  "expected an array of booleans", file=path)
         # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); accept names too
-        kwargs["indexer_types"] = [t if isinstance(t, str) else ("full" if t else "shared")
-                                   for t in indexer_types][:n_layers]
+        names = [t if isinstance(t, str) else ("full" if t else "shared") for t in indexer_types]
+        if (bad := next((i for i, t in enumerate(names) if t not in ("full", "shared")), None)) is not None:
+            raise GGUFModelError(f"{ARCH}.attention.indexer.types[{bad}] is {names[bad]!r}, not 'full' or 'shared'",
+                                 file=path)
+        kwargs["indexer_types"] = names[:n_layers]
 
     fields = dict(
         architectures=["GlmMoeDsaForCausalLM"],

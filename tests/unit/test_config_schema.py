@@ -47,6 +47,18 @@ def test_indexer_types_booleans_become_full_and_shared():
     assert cfg.indexer_types == ["full", "shared", "full"]
 
 
+def test_indexer_types_names_are_checked_as_the_booleans_are():
+    """Names are accepted as well as booleans: a name other than full/shared is refused (it read as "shared": no
+    indexer on that layer, silently), and a first layer named "shared" is refused as a first ``false`` is (vLLM's
+    ``index_topk_pattern`` "S..." would reuse the top-k of a layer before layer 0)."""
+    cfg = config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": ["full", "shared", "full"]}))
+    assert cfg.indexer_types == ["full", "shared", "full"]
+    with pytest.raises(GGUFModelError, match=r"indexer\.types\[1\] is 'Full', not 'full' or 'shared'"):
+        config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": ["full", "Full", "full"]}))
+    with pytest.raises(GGUFModelError, match="layer 0 is 'shared' but no earlier layer has an indexer"):
+        config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": ["shared", "full", "full"]}))
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
