@@ -14,13 +14,14 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
-from glm5serve.gguf_file import metadata_value
+from glm5serve.gguf_file import _short, metadata_value
 
 #: llama.cpp LLAMA_VOCAB_PRE_TYPE_CHATGLM4 (``(?i:...)`` spelled as ``'[sS]|...`` there)
 GLM4_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -103,6 +104,15 @@ def build_vocab(vocab_size: int) -> GGUFVocab:
     return GGUFVocab(tokens, [int(t) for t in types], merges, {r: ids[t] for r, t in SPECIAL_ROLES.items()})
 
 
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v) -> bool:
+    """A gguf TokenType: an integer (a bool array or a float one is another GGUF type, as is a string)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer built from the GGUF's ``tokenizer.ggml.*`` metadata alone.
 
@@ -111,8 +121,9 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     become special added tokens and USER_DEFINED ones plain added tokens, both with their GGUF ids. No BOS/EOS is
     added on encode (llama.cpp adds none for ``glm4``; the chat template writes ``[gMASK]<sop>``).
     Raises GGUFModelError (naming the file) for a model whose ``general.architecture`` is not ``glm-dsa`` (a plain
-    dict may omit the key), a non-``gpt2`` model, an unknown pre-tokenizer, missing arrays, or a merge that is not
-    two tokens of the vocabulary.
+    dict may omit the key), a non-``gpt2`` model, an unknown pre-tokenizer, missing arrays, a value of the wrong
+    type (``tokens``/``merges`` not arrays of strings, ``token_type`` not an array of integers, a
+    ``tokenizer.chat_template`` that is not a string), or a merge that is not two tokens of the vocabulary.
     """
     from glm5serve.gguf_file import GGUFModel
 
@@ -130,8 +141,22 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
     if pre not in PRE_TOKENIZERS:
         raise GGUFModelError(f"tokenizer.ggml.pre is {pre!r}, not one of {PRE_TOKENIZERS}", file=path)
     tokens, types, merges = (md.get(f"tokenizer.ggml.{k}") for k in ("tokens", "token_type", "merges"))
-    if tokens is None or types is None or merges is None or len(tokens) != len(types):
+    if tokens is None or types is None or merges is None:
         raise GGUFModelError("tokenizer.ggml.tokens/token_type/merges missing or of different lengths", file=path)
+    for key, values, ok, what in (("tokens", tokens, _is_str, "strings"), ("token_type", types, _is_int, "integers"),
+                                  ("merges", merges, None, "strings")):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise GGUFModelError(f"metadata key tokenizer.ggml.{key} is {_short(values)}, expected an array of {what}",
+                                 file=path)
+        if ok is not None and (bad := next((i for i, v in enumerate(values) if not ok(v)), None)) is not None:
+            raise GGUFModelError(f"tokenizer.ggml.{key}[{bad}] is {_short(values[bad])}, expected an array of {what}",
+                                 file=path)
+    if len(tokens) != len(types):
+        raise GGUFModelError("tokenizer.ggml.tokens/token_type/merges missing or of different lengths", file=path)
+    template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):  # llama.cpp reads it with gguf_get_val_str
+        raise GGUFModelError(f"metadata key tokenizer.chat_template is {_short(template)}, expected a string",
+                             file=path)
 
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
@@ -158,6 +183,6 @@ def tokenizer_from_gguf(model_or_path) -> PreTrainedTokenizerFast:
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=special("bos"), eos_token=special("eos"), unk_token=special("unknown"),
-        pad_token=special("padding"), chat_template=md.get("tokenizer.chat_template"),
+        pad_token=special("padding"), chat_template=template,
         clean_up_tokenization_spaces=False,
     )

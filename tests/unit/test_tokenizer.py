@@ -95,6 +95,29 @@ def test_bad_tokenizer_metadata_is_a_one_line_error(tiny_checkpoint):
         tokenizer_from_gguf({k: v for k, v in md.items() if k != "tokenizer.ggml.merges"})
 
 
+@pytest.mark.parametrize("key,value,words", [
+    # a scalar where llama.cpp reads an array: a TypeError traceback (generate) or an unnamed key (verify)
+    ("tokenizer.ggml.tokens", 5, "metadata key tokenizer.ggml.tokens is 5, expected an array of strings"),
+    ("tokenizer.ggml.token_type", 5, "metadata key tokenizer.ggml.token_type is 5, expected an array of integers"),
+    ("tokenizer.ggml.merges", 5, "metadata key tokenizer.ggml.merges is 5, expected an array of strings"),
+    # a string array of token types matched no TokenType: every CONTROL token became plain text, silently
+    ("tokenizer.ggml.token_type", "strings", "tokenizer.ggml.token_type[0] is '1', expected an array of integers"),
+    # integer tokens reached the tokenizers library, whose error was reported as one about the merges
+    ("tokenizer.ggml.tokens", "ints", "tokenizer.ggml.tokens[0] is 0, expected an array of strings"),
+    # a list (a string array) was a TypeError traceback inside transformers
+    ("tokenizer.chat_template", ["a", "b"], "metadata key tokenizer.chat_template is ['a', 'b'], expected a string"),
+])
+def test_tokenizer_metadata_of_the_wrong_type_names_the_key(key, value, words, tiny_checkpoint):
+    md = dict(GGUFModel(tiny_checkpoint).metadata)
+    if value == "strings":
+        value = [str(int(t)) for t in md[key]]
+    elif value == "ints":
+        value = list(range(len(md[key])))
+    with pytest.raises(GGUFModelError) as e:
+        tokenizer_from_gguf({**md, key: value})
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
 LLAMA_TOKENIZE = """
 import json, sys
 from llama_cpp import Llama
