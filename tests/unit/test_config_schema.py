@@ -59,6 +59,18 @@ def test_indexer_types_names_are_checked_as_the_booleans_are():
         config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": ["shared", "full", "full"]}))
 
 
+@pytest.mark.parametrize("value,norm", [(True, True), (False, False), (0, False), (1, True)])
+def test_expert_weights_norm_reads_booleans_and_0_or_1(value, norm):
+    assert config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": value})).norm_topk_prob is norm
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.5, 2])
+def test_expert_weights_norm_that_is_no_truth_value_is_refused(value):
+    """NaN, 0.5 and 2 all read as true (``norm_topk_prob``), silently; llama.cpp wants a GGUF bool there."""
+    with pytest.raises(GGUFModelError, match=r"glm-dsa\.expert_weights_norm is .*, expected a boolean"):
+        config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": value}))
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
