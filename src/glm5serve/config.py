@@ -110,7 +110,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     dict.
 
     ``num_hidden_layers`` excludes the MTP layers (``block_count - nextn_predict_layers``); the MTP count is kept
-    as ``num_nextn_predict_layers``. Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set:
+    as ``num_nextn_predict_layers``. Optional keys default as llama.cpp's glm-dsa loader reads them: no
+    ``expert_gating_func`` is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
+    ``expert_weights_scale`` is 1. Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set:
     ``topk_method="noaux_tc"`` (it creates ``e_score_correction_bias`` only then), ``scoring_func``,
     ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
@@ -209,7 +211,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         n_routed_experts=req("expert_count"),
         num_experts_per_tok=req("expert_used_count"),
         routed_scaling_factor=opt("expert_weights_scale", 1.0, float),
-        norm_topk_prob=opt("expert_weights_norm", True, bool),
+        norm_topk_prob=opt("expert_weights_norm", False, bool),  # absent: false, as llama.cpp's hparams default
         n_group=opt("expert_group_count", 1) or 1,
         topk_group=opt("expert_group_used_count", 1) or 1,
         scoring_func="sigmoid" if gating == GATING_SIGMOID else "softmax",

@@ -64,6 +64,14 @@ def test_expert_weights_norm_reads_booleans_and_0_or_1(value, norm):
     assert config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": value})).norm_topk_prob is norm
 
 
+def test_missing_expert_weights_norm_is_false_as_in_llama_cpp():
+    """llama.cpp's glm-dsa loader reads expert_weights_norm as optional with hparams' default false; reading it as
+    true renormalized the top-k weights where llama.cpp does not (tiny F32 checkpoint without the key: logits up to
+    15.7 apart)."""
+    cfg = config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": None}))
+    assert cfg.norm_topk_prob is False
+
+
 @pytest.mark.parametrize("value", [float("nan"), 0.5, 2])
 def test_expert_weights_norm_that_is_no_truth_value_is_refused(value):
     """NaN, 0.5 and 2 all read as true (``norm_topk_prob``), silently; llama.cpp wants a GGUF bool there."""
