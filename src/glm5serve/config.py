@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 
 ARCH = "glm-dsa"
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # gguf-py ExpertGatingFuncType
+#: llama.cpp's glm-dsa loader (src/models/glm-dsa.cpp): a file without ``attention.indexer.types`` whose
+#: ``context_length`` is at least this is GLM-5.2, and gets GLM-5.2's indexer layout; below it, GLM-5/5.1 (all full)
+GLM52_MIN_CONTEXT = 1048576
+
+
+def glm52_indexer_types(n_layers: int) -> list[str]:
+    """llama.cpp's ``GLM_5_2_DEFAULT_INDEXER_TYPES`` for ``n_layers`` layers: layers 0 and 1 full, then every fourth
+    from layer 2 (2, 6, 10, ... 74) full, the rest (and every layer from 78 on, past the table) shared."""
+    return ["full" if i < 2 or (i < 78 and (i - 2) % 4 == 0) else "shared" for i in range(n_layers)]
 
 
 def _md(model) -> tuple[dict[str, Any], str]:
@@ -112,8 +121,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     ``num_hidden_layers`` excludes the MTP layers (``block_count - nextn_predict_layers``); the MTP count is kept
     as ``num_nextn_predict_layers``. Optional keys default as llama.cpp's glm-dsa loader reads them: no
     ``expert_gating_func`` is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
-    ``expert_weights_scale`` is 1. Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set:
-    ``topk_method="noaux_tc"`` (it creates ``e_score_correction_bias`` only then), ``scoring_func``,
+    ``expert_weights_scale`` is 1, no ``attention.indexer.types`` is every layer ``full`` unless ``context_length``
+    is 1M or more (GLM-5.2: :func:`glm52_indexer_types`). Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads
+    are set: ``topk_method="noaux_tc"`` (it creates ``e_score_correction_bias`` only then), ``scoring_func``,
     ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
     Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
@@ -196,6 +206,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
             raise GGUFModelError(f"{ARCH}.attention.indexer.types[{bad}] is {names[bad]!r}, not 'full' or 'shared'",
                                  file=path)
         kwargs["indexer_types"] = names[:n_layers]
+    elif req("context_length") >= GLM52_MIN_CONTEXT:  # no key: llama.cpp reads a >= 1M context as GLM-5.2
+        kwargs["indexer_types"] = glm52_indexer_types(n_layers)
 
     fields = dict(
         architectures=["GlmMoeDsaForCausalLM"],

@@ -79,6 +79,22 @@ def test_expert_weights_norm_that_is_no_truth_value_is_refused(value):
         config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": value}))
 
 
+@pytest.mark.parametrize("context,types", [(1048575, ["full"] * 7),
+                                           (1048576, ["full"] * 3 + ["shared"] * 3 + ["full"])])
+def test_missing_indexer_types_follow_llama_cpp(context, types):
+    """llama.cpp's glm-dsa loader: without attention.indexer.types, a context of 1M or more is GLM-5.2 (its
+    GLM_5_2_DEFAULT_INDEXER_TYPES 1,1,1,0,0,0,1,...), less is GLM-5/5.1 (every layer full)."""
+    cfg = config_from_metadata(_md(**{"glm-dsa.block_count": 8, "glm-dsa.context_length": context}))
+    assert cfg.indexer_types == types
+
+
+def test_glm52_indexer_table_is_llama_cpps():
+    from glm5serve.config import glm52_indexer_types
+
+    table = [1, 1] + [1, 0, 0, 0] * 19  # llama.cpp src/models/glm-dsa.cpp, 78 entries; zeros after them
+    assert glm52_indexer_types(80) == ["full" if t else "shared" for t in table] + ["shared"] * 2
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
