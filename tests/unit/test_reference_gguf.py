@@ -201,7 +201,7 @@ def test_bad_arguments_are_errors_not_garbage(tiny, tiny_checkpoint):
         with pytest.raises(ValueError, match="input_ids holds no token"):
             tiny.forward(ids)
     n_ctx = tiny.cfg.max_position_embeddings  # as vLLM refuses a request past max_model_len (the CLI did already)
-    with pytest.raises(ValueError, match=f"a prompt of 2 tokens \+ max_new_tokens {n_ctx - 1} exceeds the context "
+    with pytest.raises(ValueError, match=rf"a prompt of 2 tokens \+ max_new_tokens {n_ctx - 1} exceeds the context "
                                          f"length of {n_ctx} tokens"):
         tiny.generate([1, 2], n_ctx - 1)
     assert len(tiny.generate([1] * (n_ctx - 2), 2)) == 2  # exactly the context length is fine
