@@ -315,6 +315,23 @@ def test_gguf_tensor_without_a_vllm_parameter_is_a_load_error(tiny_checkpoint, k
         build_and_load(tiny_checkpoint, kind=kind, config_overrides={"index_topk_pattern": "FSF"})
 
 
+def test_shared_layer_indexer_kept_in_the_file_is_not_handed_to_vllm(tmp_path, gguf_rewrite):
+    """A file whose ``indexer.types`` makes layer 1 ``shared`` but that keeps its indexer tensors (verify counts them
+    as optional; llama.cpp loads them and reuses layer 0's top-k): vLLM builds no indexer there and loads the rest
+    (a >= 1M-context file without the key is such a file: GLM-5.2's default layout). The load named the tensor."""
+    from glm5serve.checkpoint import make_checkpoint
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    full = make_checkpoint(tmp_path / "full", "tiny", "ud-q4_k_xl", indexer_types=["full"] * 3)
+    path = gguf_rewrite(full, tmp_path / "kept.gguf", set_keys={"glm-dsa.attention.indexer.types": [True, False, True]})
+    assert "blk.1.indexer.proj.weight" in GGUFModel(path)
+    model, _ = build_and_load(str(path))
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if n.startswith("model.layers.1.self_attn.indexer.")]
+    assert [n for n in names if n.startswith("model.layers.2.self_attn.indexer.")]
+
+
 def test_vllm_parameter_left_unloaded_is_a_load_error(glm52_checkpoint):
     """The reverse: vLLM builds layer 1's indexer but the file has none for it."""
     from glm5serve.errors import GGUFModelError

@@ -136,9 +136,10 @@ class GlmDsaWeightsAdapter(BaseGGUFWeightsAdapter):
             refuse_synthetic(self.gguf)
         self.dtype = model_config.dtype
         self.plan = _plan(self.gguf, cfg)
-        # what must be consumed, from the file itself (not from the plan, so a planning gap is caught too)
-        mtp = {s.gguf_name for s in expected_tensors(cfg) if s.kind == "mtp"}
-        self.sources = {n for n in self.gguf.tensors if n not in mtp}
+        # what must be consumed, from the file itself (not from the plan, so a planning gap is caught too); the MTP
+        # block and a shared layer's indexer (llama.cpp loads it but never runs it) are not handed over
+        skipped = _skipped(cfg)
+        self.sources = {n for n in self.gguf.tensors if n not in skipped}
         unquantized = _unquantized_modules(self.plan, self.gguf)
         self.load_spec = GGUFLoadSpec(
             weights_source=[str(p) for p in self.gguf.paths],
@@ -326,9 +327,17 @@ def check_file(path, cfg, tp: int) -> GGUFModel:
     return ctx.model
 
 
+def _skipped(cfg) -> set[str]:
+    """GGUF tensors never handed to vLLM: the MTP block, and the indexer tensors of a layer whose ``indexer_types``
+    entry is ``shared`` (vLLM builds no indexer there; llama.cpp loads them as optional and reuses the previous
+    layer's top-k, so a file that keeps them is served the same way)."""
+    return {s.gguf_name for s in expected_tensors(cfg) if s.kind == "mtp" or (s.kind == "indexer" and not s.required)}
+
+
 def _plan(gguf: GGUFModel, cfg) -> list[Load]:
-    """The loads, in GGUF file order of their first tensor (the order vLLM sees them), MTP block excluded."""
-    specs = [s for s in expected_tensors(cfg) if s.kind != "mtp" and s.gguf_name in gguf]
+    """The loads, in GGUF file order of their first tensor (the order vLLM sees them), :func:`_skipped` excluded."""
+    skipped = _skipped(cfg)
+    specs = [s for s in expected_tensors(cfg) if s.gguf_name not in skipped and s.gguf_name in gguf]
     by_hf: dict[str, list] = {}
     for s in specs:
         by_hf.setdefault(s.hf_name, []).append(s)
