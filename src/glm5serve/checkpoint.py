@@ -19,6 +19,7 @@ import contextlib
 import glob
 import math
 import os
+import re
 import shutil
 import socket
 import stat
@@ -429,15 +430,27 @@ def _tmp_prefix() -> str:
     return f".glm5serve-{socket.gethostname().replace('-', '_')}-"
 
 
+#: what follows :func:`_tmp_prefix` in a :func:`replacing` folder's name: the PID, then mkdtemp's 8 characters
+_TMP_REST = re.compile(r"([0-9]+)-[a-z0-9_]{8}")
+
+
 def _remove_orphans(folder: Path) -> None:
     """Delete the :func:`replacing` folders in ``folder`` that a process of this host made and no longer runs
     (SIGKILL, an OOM kill, a power cut end a run before its cleanup: nothing else would ever remove them). A folder
-    of another host, or of a process still alive (or a PID reused since), is left alone."""
+    of another host, or of a process still alive (or a PID reused since), is left alone, and so is anything not
+    named exactly as :func:`replacing` names its folders, not a folder (a symbolic link), or not owned by this user."""
     prefix = _tmp_prefix()
     for d in folder.glob(f"{glob.escape(prefix)}*-*"):
-        pid = d.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        m = _TMP_REST.fullmatch(d.name[len(prefix):])
+        if m is None or int(m[1]) == os.getpid():
             continue
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        pid = m[1]
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:

@@ -119,6 +119,33 @@ def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, cap
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, elsewhere.name, "glm5-tiny-f32.gguf"])
 
 
+def test_only_a_dead_runs_own_temporary_folder_is_removed(tmp_path):
+    """The clean-up takes nothing it did not make: a name that only looks like one (a non-ASCII digit was a
+    'invalid literal for int()' error that stopped make-checkpoint; a user's '.glm5serve-HOST-PID-notes' folder was
+    deleted), a symbolic link, another user's folder. A PID above any pid_max is never a live process."""
+    from glm5serve.checkpoint import _remove_orphans, _tmp_prefix
+
+    pre, dead = _tmp_prefix(), 99999999
+    orphan = tmp_path / f"{pre}{dead}-ab_12xyz"
+    kept = [tmp_path / f"{pre}\u00b2-abcdefgh", tmp_path / f"{pre}{dead}-notes", tmp_path / f"{pre}{dead}-abcdefgh-x",
+            tmp_path / f"{pre}{dead}-ABCDEFGH", tmp_path / f"{pre}{dead}-other123"]
+    for d in (orphan, *kept):
+        d.mkdir()
+        (d / "data").write_text("x")
+    if os.geteuid() == 0:
+        os.chown(kept[-1], 1000, 1000)
+    else:  # a normal user cannot give a folder away
+        kept.pop()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = tmp_path / f"{pre}{dead}-linkabcd"
+    link.symlink_to(target)
+    _remove_orphans(tmp_path)
+    assert not orphan.exists() and all((d / "data").is_file() for d in kept)
+    assert link.is_symlink() and (target / "keep").is_file()
+
+
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
     assert main(["inspect", "--json", str(tiny_split_checkpoint)]) == 0
     got = json.loads(capsys.readouterr().out)
