@@ -426,8 +426,14 @@ def refuse_existing(path: Path, force: bool) -> None:
 
 
 def _tmp_prefix() -> str:
-    """``.glm5serve-HOST-``: :func:`replacing`'s folders are ``.glm5serve-HOST-PID-XXXXXXXX`` beside the output."""
-    return f".glm5serve-{socket.gethostname().replace('-', '_')}-"
+    """``.glm5serve-HOST_NS-``: :func:`replacing`'s folders are ``.glm5serve-HOST_NS-PID-XXXXXXXX`` beside the
+    output. ``NS`` (the PID namespace's inode, where Linux shows one) tells the PIDs of two containers apart that
+    share a host name (``--network host``) and a folder: a PID is only looked up in the namespace it belongs to."""
+    try:
+        ns = f"_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        ns = ""
+    return f".glm5serve-{socket.gethostname().replace('-', '_')}{ns}-"
 
 
 #: what follows :func:`_tmp_prefix` in a :func:`replacing` folder's name: the PID, then mkdtemp's 8 characters

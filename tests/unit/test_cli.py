@@ -103,14 +103,17 @@ def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, cap
     process still running or of another host is kept."""
     import socket
 
+    from glm5serve.checkpoint import _tmp_prefix
+
     out = tmp_path / "ck"
     proc = _make_checkpoint_writing(out)
     proc.kill()
     proc.communicate(timeout=60)
-    host = socket.gethostname().replace("-", "_")
-    (orphan,) = out.glob(f".glm5serve-{host}-{proc.pid}-*")
-    live = out / f".glm5serve-{host}-{os.getppid()}-abc"
-    elsewhere = out / f".glm5serve-other_host-{proc.pid}-abc"
+    host = _tmp_prefix()
+    assert host.startswith(f".glm5serve-{socket.gethostname().replace('-', '_')}")
+    (orphan,) = out.glob(f"{host}{proc.pid}-*")
+    live = out / f"{host}{os.getppid()}-abcdefgh"
+    elsewhere = out / f".glm5serve-other_host-{proc.pid}-abcdefgh"
     for d in (live, elsewhere):
         d.mkdir()
     assert main(["make-checkpoint", str(out), "--mix", "f32"]) == 0
@@ -144,6 +147,26 @@ def test_only_a_dead_runs_own_temporary_folder_is_removed(tmp_path):
     _remove_orphans(tmp_path)
     assert not orphan.exists() and all((d / "data").is_file() for d in kept)
     assert link.is_symlink() and (target / "keep").is_file()
+
+
+def test_a_run_in_another_pid_namespace_keeps_a_live_runs_folder(tmp_path):
+    """Two containers with one host name (``--network host``) writing into one folder: a PID of the other container
+    is no process here, so its live run's folder was deleted under it; the folder name now carries the PID
+    namespace, and a run in another namespace leaves it alone."""
+    import glm5serve
+    from glm5serve.checkpoint import replacing
+
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a PID namespace here (unshare)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    code = ("from pathlib import Path; from glm5serve.checkpoint import _remove_orphans; "
+            f"_remove_orphans(Path({str(tmp_path)!r}))")
+    with replacing([tmp_path / "model.gguf"]) as (tmp,):
+        tmp.write_bytes(b"partial")
+        subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], env=env, check=True)
+        assert tmp.is_file()
+    assert (tmp_path / "model.gguf").read_bytes() == b"partial"
 
 
 def test_inspect_json_agrees_with_gguf_py(tiny_split_checkpoint, capsys):
