@@ -10,6 +10,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from glm5serve.errors import GGUFModelError
 from glm5serve.gguf_file import GGUFModel, _short, metadata_value
 
@@ -200,7 +202,12 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         if isinstance(indexer_types, (str, bytes)) or not hasattr(indexer_types, "__len__"):
             raise GGUFModelError(f"metadata key {ARCH}.attention.indexer.types is {_short(indexer_types)}, "
                                  "expected an array of booleans", file=path)
-        # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); accept names too
+        # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); llama.cpp also reads
+        # integers (non-zero = full) and refuses floats; accept names too
+        for i, t in enumerate(indexer_types):
+            if not isinstance(t, (str, bool, int, np.bool_, np.integer)):
+                raise GGUFModelError(f"{ARCH}.attention.indexer.types[{i}] is {_short(t)}, expected a boolean "
+                                     "(true = full)", file=path)
         names = [t if isinstance(t, str) else ("full" if t else "shared") for t in indexer_types]
         if (bad := next((i for i, t in enumerate(names) if t not in ("full", "shared")), None)) is not None:
             raise GGUFModelError(f"{ARCH}.attention.indexer.types[{bad}] is {names[bad]!r}, not 'full' or 'shared'",

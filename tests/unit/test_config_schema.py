@@ -95,6 +95,16 @@ def test_glm52_indexer_table_is_llama_cpps():
     assert glm52_indexer_types(80) == ["full" if t else "shared" for t in table] + ["shared"] * 2
 
 
+@pytest.mark.parametrize("value,shown", [(0.5, "0.5"), (float("nan"), "nan"), ([True], r"\[True\]")])
+def test_indexer_types_that_are_not_booleans_are_refused(value, shown):
+    """A FLOAT32 array (llama.cpp: "wrong array element type") read 0.5 or NaN as 'full' and 0.0 as 'shared';
+    integers are read as llama.cpp reads them (non-zero = full)."""
+    with pytest.raises(GGUFModelError, match=rf"indexer\.types\[1\] is {shown}, expected a boolean \(true = full\)"):
+        config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": [True, value, True]}))
+    assert config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": [1, 0, 2]})).indexer_types == \
+        ["full", "shared", "full"]
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
