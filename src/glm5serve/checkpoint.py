@@ -466,8 +466,9 @@ def _remove_orphans(folder: Path) -> None:
 
 
 def _keep_mode_and_owner(old: Path, new: Path) -> None:
-    """Give ``new`` the permission bits and (best effort: only root may give a file away) owner and group of the
-    regular file ``old``; nothing when ``old`` is missing or a symbolic link (the link is replaced, not its target)."""
+    """Give ``new`` the permission bits and (best effort: only root may give a file away, and a user may give it
+    to a group of theirs) owner and group of the regular file ``old``, as ``cp -p`` does; nothing when ``old`` is
+    missing or a symbolic link (the link is replaced, not its target)."""
     try:
         st = old.lstat()
     except FileNotFoundError:
@@ -475,10 +476,12 @@ def _keep_mode_and_owner(old: Path, new: Path) -> None:
     if not stat.S_ISREG(st.st_mode):
         return
     os.chmod(new, stat.S_IMODE(st.st_mode))
-    try:
-        os.chown(new, st.st_uid, st.st_gid)
-    except PermissionError:
-        pass
+    for uid in (st.st_uid, -1):  # the owner too if allowed, else the group alone
+        try:
+            os.chown(new, uid, st.st_gid)
+            return
+        except PermissionError:
+            pass
 
 
 @contextlib.contextmanager

@@ -329,6 +329,29 @@ def test_force_keeps_the_replaced_files_mode_and_owner(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_force_keeps_the_group_where_the_owner_cannot_be_kept(tmp_path):
+    """A user who may not give the file back to its owner still may give it the group it had (one of theirs, as
+    ``cp -p`` does): a file of a shared group came back in the caller's own group, so the group lost access. Run as
+    root without CAP_CHOWN, in supplementary group 4322."""
+    import glm5serve
+
+    if os.geteuid() != 0 or subprocess.run(["setpriv", "--groups", "4322", "--bounding-set", "-chown", "true"],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and setpriv to run without CAP_CHOWN in another group")
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"old")
+    os.chown(out, 4321, 4322)
+    os.chmod(out, 0o664)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(glm5serve.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    code = ("from pathlib import Path; from glm5serve.checkpoint import replacing\n"
+            f"with replacing([Path({str(out)!r})]) as (t,):\n    t.write_bytes(b'new')")
+    subprocess.run(["setpriv", "--groups", "4322", "--bounding-set", "-chown", "--inh-caps=-all", sys.executable,
+                    "-c", code], env=env, check=True)
+    st = out.lstat()
+    assert out.read_bytes() == b"new" and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 4322, 0o664)
+
+
 def test_generate_options_are_checked(capsys):
     for bad in (["--temperature", "nan"], ["--temperature", "-1"], ["--qa-kv-norm-eps", "foo"],
                 ["--qa-kv-norm-eps", "0"]):
