@@ -826,6 +826,10 @@ def test_serve_refuses_a_gguf_without_its_tokenizer(key, tiny_checkpoint, tmp_pa
     path = gguf_rewrite(tiny_checkpoint, tmp_path / "notok.gguf", drop_keys={key})
     detail = _verify_fail(path, capsys, "tokenizer").split(None, 2)[2]
     assert _one_line(["serve", str(path), "--dry-run"], capsys).strip() == f"glm5serve serve: {detail}"
-    # with vLLM's --tokenizer the GGUF's is never built, so it need not build (it was checked all the same)
-    assert main(["serve", str(path), "--dry-run", "--tokenizer", "zai-org/GLM-5"]) == 0, capsys.readouterr().err
-    assert "--tokenizer zai-org/GLM-5" in capsys.readouterr().out
+    # with vLLM's --tokenizer or --skip-tokenizer-init the GGUF's is never built, so it need not build (it was
+    # checked all the same)
+    for extra in (["--tokenizer", "zai-org/GLM-5"], ["--skip_tokenizer_init"]):
+        assert main(["serve", str(path), "--dry-run", *extra]) == 0, capsys.readouterr().err
+        assert " ".join(extra) in capsys.readouterr().out
+    _one_line(["serve", str(path), "--dry-run", "--skip-tokenizer-init", "--no-skip-tokenizer-init"], capsys,
+              path.name, "tokenizer")

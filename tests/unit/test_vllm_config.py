@@ -173,6 +173,8 @@ def test_a_tokenizer_given_to_vllm_replaces_the_ggufs(registered, tiny_checkpoin
     assert got.pop("_name_or_path") == mc.hf_config_path and got == {k: v for k, v in want.items()
                                                                      if k != "_name_or_path"}
     assert not list(Path(mc.hf_config_path).glob("tokenizer*"))
+    mc = EngineArgs(model=path, skip_tokenizer_init=True, enforce_eager=True).create_model_config()
+    assert mc.skip_tokenizer_init and mc.hf_config_path == str(hf_folder(path, tokenizer=False))
 
 
 def test_glm52_shared_indexer_layers_become_vllms_topk_pattern(registered, tmp_path):

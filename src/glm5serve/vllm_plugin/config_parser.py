@@ -124,7 +124,8 @@ def register() -> None:
 def _hook_engine_args() -> None:
     """Wrap ``EngineArgs.create_model_config`` (outside the plugin's own wrap, which turns GGUF on and picks the
     config folder from ``hf_config_path``): a GLM-5 GGUF without ``--hf-config-path``/``--tokenizer`` gets the
-    :func:`hf_folder` for whichever is missing (without the tokenizer when ``--tokenizer`` brings one)."""
+    :func:`hf_folder` for whichever is missing (without the tokenizer when ``--tokenizer`` brings one or
+    ``--skip-tokenizer-init`` needs none)."""
     from vllm.engine.arg_utils import EngineArgs
 
     orig = EngineArgs.create_model_config
@@ -135,7 +136,7 @@ def _hook_engine_args() -> None:
     def create_model_config(self, *args, **kwargs):
         if (self.hf_config_path is None or self.tokenizer is None) and isinstance(self.model, str) \
                 and is_glm_dsa_gguf(self.model):
-            folder = str(hf_folder(self.model, tokenizer=self.tokenizer is None))
+            folder = str(hf_folder(self.model, tokenizer=self.tokenizer is None and not self.skip_tokenizer_init))
             self.hf_config_path = self.hf_config_path or folder
             self.tokenizer = self.tokenizer or folder
         return orig(self, *args, **kwargs)

@@ -68,6 +68,17 @@ def option(args: list[str], *names: str, default=None):
     return value
 
 
+def flag(args: list[str], name: str) -> bool:
+    """Whether a vLLM on/off option is on: the last of ``--name`` and ``--no-name`` wins (vLLM's
+    ``EnableDisableAction``), off when neither is given; underscores for dashes as vLLM allows."""
+    on = False
+    for arg in args:
+        a = _vllm_spelling(arg)
+        if a in (name, "--no-" + name[2:]):
+            on = a == name
+    return on
+
+
 def attention_backend(index_topk: int, requested: str | None, capability: tuple[int, int] | None) -> str:
     """The sparse MLA backend vLLM will use for GLM-5 (docs/vllm-integration.md: GLM-5 can only use sparse MLA).
 
@@ -160,9 +171,9 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     (:func:`kernel_settings`).
     """
     kernels = kernel_settings()
-    # vLLM's --tokenizer brings its own tokenizer and template, --chat-template its own template: the file's are
-    # then never built or rendered
-    own_tokenizer = option(vllm_args, "--tokenizer") is not None
+    # vLLM's --tokenizer brings its own tokenizer and template (--skip-tokenizer-init uses none), --chat-template its
+    # own template: the file's are then never built or rendered
+    own_tokenizer = option(vllm_args, "--tokenizer") is not None or flag(vllm_args, "--skip-tokenizer-init")
     model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"), tokenizer=not own_tokenizer,
                            chat_template=not own_tokenizer and option(vllm_args, "--chat-template") is None)
     types: dict[str, int] = {}
