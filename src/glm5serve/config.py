@@ -93,7 +93,7 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
                    f"expert_used_count={cfg.num_experts_per_tok}")
     types = md.get(a + "attention.indexer.types")
     if types is not None:
-        if len(types) < cfg.num_hidden_layers:
+        if len(types) != cfg.num_hidden_layers:  # llama.cpp: "has wrong array length" (get_key_or_arr)
             out.append(f"{a}attention.indexer.types has {len(types)} entries for {cfg.num_hidden_layers} layers")
         elif cfg.indexer_types[0] == "shared":  # a boolean false or the name
             out.append(f"{a}attention.indexer.types: layer 0 is 'shared' but no earlier layer has an indexer")

@@ -47,6 +47,14 @@ def test_indexer_types_booleans_become_full_and_shared():
     assert cfg.indexer_types == ["full", "shared", "full"]
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_indexer_types_of_another_length_than_the_layers_are_refused(n):
+    """One entry per main layer, as llama.cpp's get_key_or_arr insists ("wrong array length"); a longer array was
+    cut short silently (review finding)."""
+    with pytest.raises(GGUFModelError, match=f"attention.indexer.types has {n} entries for 3 layers"):
+        config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": [True] * n}))
+
+
 def test_indexer_types_names_are_checked_as_the_booleans_are():
     """Names are accepted as well as booleans: a name other than full/shared is refused (it read as "shared": no
     indexer on that layer, silently), and a first layer named "shared" is refused as a first ``false`` is (vLLM's
