@@ -136,3 +136,22 @@ def test_shared_indexer_layers_match_llamacpp(tmp_path):
     tokens = data["tokens0"].tolist()
     assert model.generate(ids, 8) == tokens
     assert rel_err(torch.from_numpy(data["logits0"]), model.forward(ids + tokens[:-1])) <= 1e-4
+
+
+def test_missing_rope_freq_base_is_read_as_llamacpp_reads_it(tiny_f32_checkpoint, ref, gguf_rewrite, tmp_path):
+    """A GGUF without ``glm-dsa.rope.freq_base`` gets llama.cpp's default RoPE base (10000): the reference's logits
+    on such a file match llama.cpp's. The checkpoints always write the key (1e6), so a wrong default in the config
+    (1e6 for 10000 went through the whole suite) was never read; the RoPE base does change these logits."""
+    path = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "no-freq-base.gguf", drop_keys=("glm-dsa.rope.freq_base",))
+    model = ReferenceModel.from_gguf(path, qa_kv_norm_eps="rms_norm_eps")
+    assert ref.rope_theta == 1e6 and model.rope_theta == 10000.0
+    ids = PROMPTS[1]
+    out = tmp_path / "out.npz"
+    args = dict(model=str(path), prompts=[ids], n_new=1, n_ctx=64, out=str(out))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    expected = torch.from_numpy(np.load(out)["logits0"])
+    got = model.forward(ids)
+    assert rel_err(expected, got) <= 1e-4
+    assert rel_err(expected, ref.forward(ids)) > 1e-3  # the base matters here: the default is what is checked
