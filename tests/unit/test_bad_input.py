@@ -531,16 +531,22 @@ def test_overlapping_or_misplaced_tensor_data(how, tiny_checkpoint, tmp_path, ca
     _verify_fail(path, capsys, name, "overlapping or misplaced")
 
 
-@pytest.mark.parametrize("alignment", [8, 64])
+@pytest.mark.parametrize("alignment", [8, 64, 256])
 def test_custom_alignment_is_read(alignment, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
     """``general.alignment`` other than 32 is legal GGUF (llama.cpp reads it): every command crashed on it with an
-    OverflowError traceback, gguf-py keeping the value as np.uint32 (fresh-user finding). Same logits as before."""
+    OverflowError traceback, gguf-py keeping the value as np.uint32 (fresh-user finding). Same logits as before.
+
+    Every tensor of the tiny checkpoint is a whole number of 64 bytes, so only 256 makes the writer pad between
+    tensors: without it, reading each tensor's data where the previous one's *unpadded* data ends (the offset check
+    of ``gguf_file._Reader``) passed the suite, and would refuse valid files as overlapping."""
     import torch
 
     from glm5serve.reference import ReferenceModel
 
     path = gguf_rewrite(tiny_checkpoint, tmp_path / f"align{alignment}.gguf", alignment=alignment)
-    assert GGUFModel(path).metadata["general.alignment"] == alignment
+    model = GGUFModel(path)
+    assert model.metadata["general.alignment"] == alignment
+    assert any(t.n_bytes % alignment for t in model) == (alignment == 256)  # padding between tensors at 256
     assert main(["inspect", str(path)]) == 0
     ids = [1, 5, 9, 2]
     original = ReferenceModel.from_gguf(tiny_checkpoint).forward(ids)
