@@ -368,3 +368,22 @@ def test_ne_padded_with_trailing_ones_loads_the_same_parameters(fixture, kind, t
             g, gtype = got[key]
             assert gtype == wtype, key
             assert_bitwise_equal(g, w, err_msg=f"{key} rank {rank}/{tp}")
+
+
+#: in each kind of stacked module one shard stored unquantized, its sibling quantized (a mix may keep a small tensor
+#: in BF16/F16/F32): the plugin cannot mix float and GGUF shards in one fused parameter, so vLLM must build the whole
+#: module dense (``weights._unquantized_modules``). The checkpoints quantize every shard alike, so building the module
+#: dense only when *all* its shards are float went through the whole suite.
+_MIXED_SHARDS = {"blk.0.attn_kv_a_mqa.weight": Q.BF16, "blk.0.ffn_up.weight": Q.F16, "blk.1.ffn_up_shexp.weight": Q.F32}
+
+
+@pytest.fixture(scope="module")
+def mixed_shards_checkpoint(tiny_checkpoint, tmp_path_factory):
+    from vllm_gguf import rewrite
+
+    return rewrite(tiny_checkpoint, tmp_path_factory.mktemp("mixed") / "tiny-mixed-shards.gguf", _MIXED_SHARDS)
+
+
+@pytest.mark.parametrize("kind,tp", [("generic", 1), ("cuda", 2)])
+def test_stacked_module_with_one_float_shard_loads_dense(mixed_shards_checkpoint, kind, tp):
+    load_and_check(str(mixed_shards_checkpoint), kind, tp)
