@@ -107,6 +107,14 @@ def test_bf16_load_is_close_to_fp32(tiny_checkpoint, tiny, tok):
     bf16 = ReferenceModel.from_gguf(tiny_checkpoint, dtype=torch.bfloat16)
     assert bf16.w["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
     assert bf16.w["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # router stays fp32
+    # and whatever transformers keeps in fp32 in a bf16 model: the indexer head weights and the router bias feed
+    # top-k choices (rounding weights_proj to bf16 went through the suite: only the router was checked)
+    from transformers import GlmMoeDsaForCausalLM
+
+    keep = [*GlmMoeDsaForCausalLM._keep_in_fp32_modules, *(GlmMoeDsaForCausalLM._keep_in_fp32_modules_strict or [])]
+    kept = {n: bf16.w[n].dtype for n in bf16.w if any(k in n for k in keep)}
+    assert {k for k in keep if any(k in n for n in kept)} == set(keep), (keep, kept)
+    assert set(kept.values()) == {torch.float32}, kept
     ids = tok.encode(SHORT[1])
     logits = bf16.forward(ids)
     assert logits.dtype == torch.float32
