@@ -280,3 +280,14 @@ def test_an_output_dtype_other_than_the_three_is_refused(dtype):
     """int32 used to come back silently as integers (the fp32 values truncated)."""
     with pytest.raises(ValueError, match="dtype must be torch.float32, bfloat16 or float16"):
         dequantize(np.zeros((2, GGML_QUANT_SIZES[Q.Q8_0][1]), dtype=np.uint8), Q.Q8_0, dtype=dtype)
+
+
+@pytest.mark.parametrize("dt,qtype", [(">f4", Q.F32), (">f2", Q.F16)], ids=["F32", "F16"])
+def test_typed_arrays_of_the_other_byte_order_are_read_by_value(dt, qtype):
+    """A big-endian typed array (``>f4``: what numpy gives for a byte-swapped buffer) holds the same values as a
+    native one: they are dequantized, as gguf-py does, not refused by torch nor read as swapped bytes. No test used
+    one, so dropping the conversion to native order passed the suite."""
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32).astype(dt)
+    assert not x.dtype.isnative
+    assert_bitwise_equal(dequantize(x, qtype), oracle(x.astype(x.dtype.newbyteorder("=")), qtype), dt)
+    assert_bitwise_equal(dequantize(x, qtype), x.astype(np.float32), dt)
