@@ -355,3 +355,26 @@ def test_moe_experts_run_in_groups_below_the_int32_limit():
     zeroed[1, 0] = zeroed[3, 2] = 0
     torch.testing.assert_close(fixed(x, w1, w2, wts, padded, 0, 0, "silu"),
                                moe(x, w1, w2, zeroed, ids, 0, 0, "silu"), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_expert_groups_are_sized_by_the_wider_expert_tensor():
+    """The groups are sized by whichever of w13 and w2 spans more elements an expert. A low-bit w13 with a
+    high-bit w2 (Q2_K gate/up, Q8_0 down: 0.33 vs 1.06 bytes a value) makes w2 the wider; the test above has w13
+    the wider, so sizing the groups by w13 alone passed the suite while w2's offsets could pass the kernels' limit."""
+    from glm5serve.vllm_plugin.fixes import _expert_groups
+
+    g = torch.Generator().manual_seed(1)
+    E, H, inter, T, k = 8, 16, 8, 5, 3
+    w1 = torch.randn(E, 2 * inter, H, generator=g)  # 256 elements an expert
+    w2 = torch.randn(E, H, 4 * inter, generator=g)[..., :inter]  # a view spanning 512 elements an expert
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    spans = []
+
+    def moe(x, w1, w2, wts, ids, t1, t2, act):  # records the largest element span a kernel call addresses
+        spans.append(max(w.shape[0] * w.stride(0) for w in (w1, w2)))
+        return torch.zeros_like(x)
+
+    limit = 3 * w2.stride(0)
+    _expert_groups(moe, limit=limit)(x, w1, w2, torch.rand(T, k, generator=g), ids, 0, 0, "silu")
+    assert len(spans) == 3 and max(spans) <= limit, (spans, limit)
