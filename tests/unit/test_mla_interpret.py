@@ -205,6 +205,25 @@ else:
         ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, **b.decode_kwargs())
         _assert_matches(out, lse, ref_out, ref_lse, b.num_real, torch.bfloat16)
 
+    def test_sparse_positions_past_kv_len_are_dropped():
+        """With ``kv_lens``, a sparse token's list positions at or past its kv_len are dropped (``mla_decode``'s
+        contract): here each list also names the later tokens of the token's own request, which are written in the
+        cache, and the output equals that of the list without them. No test gave a sparse list such positions, so
+        dropping the kv_len mask of the sparse path passed the suite."""
+        b = make_batch([12, 7], [5, 3], 2, 32, 16, 4, torch.bfloat16, topk=6, seed=2)
+        T = b.q_nope.shape[0]
+        late = [list(range(int(k), int(b.seq_lens[int(r)]))) for k, r in zip(b.kv_lens, b.req_ids)]
+        assert sum(map(len, late)) >= 5
+        topk = torch.full((T, b.topk.shape[1] + max(map(len, late))), -1, dtype=torch.int32)
+        for t in range(T):
+            row = torch.cat([b.topk[t][b.topk[t] >= 0], torch.tensor(late[t], dtype=torch.int32)])
+            topk[t, :len(row)] = row
+        kw = dict(block_table=b.block_table, req_ids=b.req_ids, kv_lens=b.kv_lens)
+        for splits in (1, 2):
+            out, lse = mla_decode(b.q_nope, b.q_pe, b.kv_cache, b.scale, topk_indices=topk, num_splits=splits, **kw)
+            ref_out, ref_lse = mla_reference(b.q_nope, b.q_pe, b.kv_cache, b.scale, topk_indices=b.topk, **kw)
+            _assert_matches(out, lse, ref_out, ref_lse, b.num_real, torch.bfloat16, f"splits={splits}")
+
     def test_dense_reads_nothing_past_kv_len():
         """Dense decode: the rows past each token's kv_len (same block, later blocks, spare blocks) are NaN by
         construction; outputs are finite and equal the reference."""
