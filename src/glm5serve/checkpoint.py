@@ -456,12 +456,11 @@ def _remove_orphans(folder: Path) -> None:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             continue
-        pid = m[1]
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(m[1]), 0)
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
-        except (PermissionError, OverflowError, OSError):  # another user's live process, or a number no PID has
+        except (OverflowError, OSError):  # another user's live process (EPERM), or a number no PID has
             pass
 
 
