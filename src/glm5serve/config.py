@@ -93,7 +93,8 @@ def metadata_problems(md: dict, cfg, path: str = "<metadata>") -> list[str]:
                    f"expert_used_count={cfg.num_experts_per_tok}")
     types = md.get(a + "attention.indexer.types")
     if types is not None:
-        if len(types) != cfg.num_hidden_layers:  # llama.cpp: "has wrong array length" (get_key_or_arr)
+        # an array has one entry per main layer (llama.cpp's get_key_or_arr: "has wrong array length")
+        if hasattr(types, "__len__") and len(types) != cfg.num_hidden_layers:
             out.append(f"{a}attention.indexer.types has {len(types)} entries for {cfg.num_hidden_layers} layers")
         elif cfg.indexer_types[0] == "shared":  # a boolean false or the name
             out.append(f"{a}attention.indexer.types: layer 0 is 'shared' but no earlier layer has an indexer")
@@ -124,13 +125,15 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     as ``num_nextn_predict_layers``. Optional keys default as llama.cpp's glm-dsa loader reads them: no
     ``expert_gating_func`` is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
     ``expert_weights_scale`` is 1, no ``attention.indexer.types`` is every layer ``full`` unless ``context_length``
-    is 1M or more (GLM-5.2: :func:`glm52_indexer_types`). Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads
-    are set: ``topk_method="noaux_tc"`` (it creates ``e_score_correction_bias`` only then), ``scoring_func``,
-    ``rope_interleave`` and ``indexer_rope_interleave`` (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
+    is 1M or more (GLM-5.2: :func:`glm52_indexer_types`), and one boolean or integer there (not an array) applies
+    to every layer, as llama.cpp's ``get_key_or_arr`` reads it; ``expert_shared_count`` is required, as there.
+    Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set: ``topk_method="noaux_tc"`` (it creates
+    ``e_score_correction_bias`` only then), ``scoring_func``, ``rope_interleave`` and ``indexer_rope_interleave``
+    (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
     Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
-    key holds a value of the wrong type (naming the key and the type expected: ``tokenizer.ggml.tokens`` and
-    ``attention.indexer.types`` must be arrays), ``block_count`` names more blocks
+    key holds a value of the wrong type (naming the key and the type expected: ``tokenizer.ggml.tokens`` must be an
+    array, ``attention.indexer.types`` an array or one boolean), ``block_count`` names more blocks
     than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
     positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
@@ -198,10 +201,12 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         raise GGUFModelError("; ".join(bad), file=path)
     indexer_types = md.get(f"{ARCH}.attention.indexer.types")
     kwargs: dict[str, Any] = {}
+    if isinstance(indexer_types, (bool, int, np.bool_, np.integer)):  # one value for every layer (get_key_or_arr)
+        indexer_types = [indexer_types] * n_layers
     if indexer_types is not None:
         if isinstance(indexer_types, (str, bytes)) or not hasattr(indexer_types, "__len__"):
             raise GGUFModelError(f"metadata key {ARCH}.attention.indexer.types is {_short(indexer_types)}, "
-                                 "expected an array of booleans", file=path)
+                                 "expected an array of booleans or one boolean", file=path)
         # the converter writes booleans (true = "full", GlmMoeDsaModel.set_gguf_parameters); llama.cpp also reads
         # integers (non-zero = full) and refuses floats; accept names too
         for i, t in enumerate(indexer_types):
@@ -226,7 +231,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         num_nextn_predict_layers=n_mtp,
         num_attention_heads=req("attention.head_count"),
         num_key_value_heads=req("attention.head_count"),
-        n_shared_experts=opt("expert_shared_count", 1),
+        n_shared_experts=req("expert_shared_count"),  # required by llama.cpp's glm-dsa loader
         n_routed_experts=req("expert_count"),
         num_experts_per_tok=req("expert_used_count"),
         routed_scaling_factor=opt("expert_weights_scale", 1.0, float),

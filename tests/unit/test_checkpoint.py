@@ -277,6 +277,24 @@ def test_llama_cpp_agrees_with_transformers_on_f32(indexer_types, tiny_f32_check
     assert np.concatenate(close).mean() >= 0.95
 
 
+def test_llama_cpp_reads_one_indexer_type_as_every_layers(tiny_f32_checkpoint, tmp_path, gguf_rewrite,
+                                                         subprocess_json):
+    """A UINT32 ``attention.indexer.types`` instead of an array: llama.cpp's ``get_key_or_arr`` gives every layer
+    that value, so 1 computes the logits of a file without the key (every layer full); glm5serve reads it alike."""
+    pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
+    from gguf import GGUFValueType
+
+    full = make_checkpoint(tmp_path / "full", "tiny", "f32", indexer_types=["full"] * 3)
+    one = gguf_rewrite(full, tmp_path / "one.gguf",
+                       set_keys={"glm-dsa.attention.indexer.types": (1, GGUFValueType.UINT32)})
+    assert GGUFModel(one).get(".attention.indexer.types") == 1
+    assert config_from_metadata(GGUFModel(one)).indexer_types == ["full"] * 3 and all(c.ok for c in verify(one))
+    prompts = _prompts(tokenizer_from_gguf(one), 2, 40)  # past index_topk, so the indexer chooses keys
+    got, want = (subprocess_json(LLAMA_LOGITS, {"model": str(p), "prompts": prompts})
+                 for p in (one, tiny_f32_checkpoint))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
 LLAMA_GENERATE = """
 import json, sys, time
 import numpy as np

@@ -67,6 +67,29 @@ def test_indexer_types_names_are_checked_as_the_booleans_are():
         config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": ["shared", "full", "full"]}))
 
 
+@pytest.mark.parametrize("value", [True, 1, np.uint32(2)])
+def test_one_indexer_type_applies_to_every_layer(value):
+    """A single value instead of an array is every layer's, as llama.cpp's ``get_key_or_arr`` reads it (its
+    ``result[i] = value`` for each layer); it was refused as "not an array"."""
+    assert config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": value})).indexer_types == ["full"] * 3
+
+
+@pytest.mark.parametrize("value,why", [(False, "layer 0 is 'shared'"), (0, "layer 0 is 'shared'"),
+                                       ("full", "expected an array of booleans or one boolean"),
+                                       (0.5, "expected an array of booleans or one boolean")])
+def test_one_indexer_type_that_cannot_run_is_refused(value, why):
+    """Every layer shared leaves layer 0 no top-k to reuse; a string or float is no boolean (llama.cpp reads a
+    UINT32 there and refuses other types)."""
+    with pytest.raises(GGUFModelError, match=why):
+        config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": value}))
+
+
+def test_missing_expert_shared_count_is_refused_as_in_llama_cpp():
+    """llama.cpp's glm-dsa loader requires ``expert_shared_count`` ("key not found in model"); it was read as 1."""
+    with pytest.raises(GGUFModelError, match=r"metadata key glm-dsa\.expert_shared_count is missing"):
+        config_from_metadata(_md(**{"glm-dsa.expert_shared_count": None}))
+
+
 @pytest.mark.parametrize("value,norm", [(True, True), (False, False), (0, False), (1, True)])
 def test_expert_weights_norm_reads_booleans_and_0_or_1(value, norm):
     assert config_from_metadata(_md(**{"glm-dsa.expert_weights_norm": value})).norm_topk_prob is norm
