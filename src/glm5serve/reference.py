@@ -192,6 +192,9 @@ class ReferenceModel:
                               ["dense" if i < cfg.first_k_dense_replace else "sparse" for i in range(self.n_layers)])
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
+        self.scoring_func = getattr(cfg, "scoring_func", "sigmoid")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func must be sigmoid or softmax, not {self.scoring_func!r}")
         self.rms_eps = cfg.rms_norm_eps
         emb = weights["model.embed_tokens.weight"]
         self.dtype, self.device = emb.dtype, emb.device
@@ -229,9 +232,6 @@ class ReferenceModel:
         gguf = GGUFModel(path)
         refuse_synthetic(gguf)  # a header from synthetic-gguf has no tensor data to read
         cfg = config_from_metadata(gguf)
-        if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
-            raise GGUFModelError(f"expert gating {cfg.scoring_func}: GLM-5 routes with sigmoid, the only gating "
-                                 "the reference implements", file=str(gguf.path))
         for spec in expected_tensors(cfg):
             if spec.gguf_name not in gguf:
                 if spec.required:
@@ -342,17 +342,24 @@ class ReferenceModel:
         out = out.transpose(0, 1).reshape(T, nh * self.v_dim)
         return F.linear(out, self._p(i, a + "o_proj.weight")), mask
 
-    def router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid router of MoE layer ``i``: (weights (T, k) fp32, expert ids (T, k)).
+    def router_scores(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores ``s``, choice scores ``s + e_score_correction_bias``), both (T, E) fp32 (fp64 for fp64 weights),
+        of MoE layer ``i`` on its normed input ``x`` (T, H): ``s = sigmoid(x·W_gᵀ)`` (GLM-5), or the softmax over
+        the experts where ``scoring_func`` is ``softmax`` (``expert_gating_func`` 1, as llama.cpp's
+        ``build_moe_ffn`` and vLLM's ``grouped_topk`` run it)."""
+        logits = F.linear(upcast(x), upcast(self._p(i, "mlp.gate.weight")))
+        scores = logits.softmax(-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        return scores, scores + upcast(self._p(i, "mlp.gate.e_score_correction_bias"))
 
-        ``s = sigmoid(x·W_gᵀ)`` in fp32; experts chosen by top-k of ``s + e_score_correction_bias`` (within the best
-        ``topk_group`` of ``n_group`` groups, each scored by its top-2 sum); weights are the chosen ``s`` (bias not
-        included), normalised to sum 1 if ``norm_topk_prob``, times ``routed_scaling_factor``
+    def router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router of MoE layer ``i``: (weights (T, k) fp32, expert ids (T, k)).
+
+        Experts chosen by top-k of the choice scores ``s + e_score_correction_bias`` (:meth:`router_scores`; within
+        the best ``topk_group`` of ``n_group`` groups, each scored by its top-2 sum); weights are the chosen ``s``
+        (bias not included), normalised to sum 1 if ``norm_topk_prob``, times ``routed_scaling_factor``
         (transformers ``GlmMoeDsaTopkRouter``; DeepSeek-V3 "noaux_tc").
         """
-        logits = F.linear(upcast(x), upcast(self._p(i, "mlp.gate.weight")))
-        scores = logits.sigmoid()
-        choice = scores + upcast(self._p(i, "mlp.gate.e_score_correction_bias"))
+        scores, choice = self.router_scores(i, x)
         E = choice.shape[-1]
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, E // self.n_group)

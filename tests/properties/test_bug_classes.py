@@ -143,12 +143,14 @@ def test_class6_plugin_renames_only_the_weight_suffix(vllm_layers, tiny_checkpoi
 
 # -- classes 11 and 14: vLLM's MoE layer (sigmoid router, bias for choice only, scaling once) = the reference -----
 
-def _moe_inputs(reference: ReferenceModel, tokens: int, seed: int, scale: float) -> tuple[torch.Tensor, bool]:
-    """(x, clear): ``clear`` is False when some token's k-th and (k+1)-th expert choices are within 1e-4, where two
-    correct implementations may legitimately choose differently."""
+def _moe_inputs(reference: ReferenceModel, tokens: int, seed: int, scale: float,
+                softmax: bool = False) -> tuple[torch.Tensor, bool]:
+    """(x, clear): ``clear`` is False when some token's k-th and (k+1)-th expert choices (sigmoid scores, or softmax
+    ones) are within 1e-4, where two correct implementations may legitimately choose differently."""
     x = torch.randn(tokens, reference.cfg.hidden_size, generator=torch.Generator().manual_seed(seed)) * scale
     logits = x.double() @ reference._p(MOE_LAYER, "mlp.gate.weight").double().T
-    choice = logits.sigmoid() + reference._p(MOE_LAYER, "mlp.gate.e_score_correction_bias").double()
+    scores = logits.softmax(-1) if softmax else logits.sigmoid()
+    choice = scores + reference._p(MOE_LAYER, "mlp.gate.e_score_correction_bias").double()
     top = choice.topk(reference.top_k + 1, dim=-1).values
     return x, bool((top[:, -2] - top[:, -1]).min() > 1e-4)
 
@@ -168,6 +170,28 @@ def test_class11_14_vllm_moe_layer_equals_reference(vllm_layers, tiny_checkpoint
         got = model.model.layers[MOE_LAYER].mlp(x)
     want = reference.ffn(MOE_LAYER, x)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+
+
+@settings(max_examples=10)
+@given(tokens=st.integers(1, 6), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 4.0, 16.0]))
+def test_class14_vllm_softmax_gated_moe_layer_equals_reference(vllm_layers, tiny_checkpoint, reference, tokens,  # noqa
+                                                               seed, scale):
+    """``expert_gating_func`` 1 (config ``scoring_func="softmax"``): vLLM's MoE layer and the reference's (softmax
+    over the experts, bias for the choice only; llama.cpp's ``build_moe_ffn``, checked against llama.cpp in
+    ``test_llamacpp_oracle.py``) agree as for sigmoid gating."""
+    import copy
+
+    x, clear = _moe_inputs(reference, tokens, seed, scale, softmax=True)
+    assume(clear)
+    cfg = copy.deepcopy(reference.cfg)
+    cfg.scoring_func = "softmax"
+    soft = ReferenceModel(cfg, reference.w, qa_kv_norm_eps="rms_norm_eps")
+    model = tiny_vllm_model(tiny_checkpoint, scoring_func="softmax")
+    with running_rank(model):
+        got = model.model.layers[MOE_LAYER].mlp(x)
+    want = soft.ffn(MOE_LAYER, x)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+    assert (want - reference.ffn(MOE_LAYER, x)).abs().max() > 1e-3 * float(want.abs().max())  # the gating matters
 
 
 def test_class11_vllm_routed_output_scales_linearly_with_routed_scaling_factor(vllm_layers, tiny_checkpoint,  # noqa

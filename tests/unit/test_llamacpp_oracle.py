@@ -53,6 +53,18 @@ np.savez(args["out"], **out)
 """
 
 
+def _run_llamacpp(path, prompts, n_new: int, n_ctx: int, workdir) -> list[tuple[torch.Tensor, list[int]]]:
+    """llama.cpp (:data:`CHILD`, in a subprocess) on ``path``: per prompt, its logits (n_tokens, vocab) over prompt
+    + generated[:-1] and its ``n_new`` greedy tokens."""
+    out = workdir / "out.npz"
+    args = dict(model=str(path), prompts=prompts, n_new=n_new, n_ctx=n_ctx, out=str(out))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600, cwd=workdir)
+    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    data = np.load(out)
+    return [(torch.from_numpy(data[f"logits{i}"]), data[f"tokens{i}"].tolist()) for i in range(len(prompts))]
+
+
 @pytest.fixture(scope="module")
 def prompts():
     long = torch.randint(0, 480, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -62,13 +74,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def llama(tiny_f32_checkpoint, prompts, tmp_path_factory):
     """llama.cpp's logits (n_tokens, vocab) over prompt + generated[:-1], and its N_NEW greedy tokens, per prompt."""
-    out = tmp_path_factory.mktemp("llamacpp") / "out.npz"
-    args = dict(model=str(tiny_f32_checkpoint), prompts=prompts, n_new=N_NEW, n_ctx=256, out=str(out))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
-                          timeout=600, cwd=out.parent)
-    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
-    data = np.load(out)
-    return [(torch.from_numpy(data[f"logits{i}"]), data[f"tokens{i}"].tolist()) for i in range(len(prompts))]
+    return _run_llamacpp(tiny_f32_checkpoint, prompts, N_NEW, 256, tmp_path_factory.mktemp("llamacpp"))
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +133,9 @@ def test_shared_indexer_layers_match_llamacpp(tmp_path):
     model = ReferenceModel.from_gguf(path, qa_kv_norm_eps="rms_norm_eps")
     assert model.indexer_types == ["full", "shared", "full"]
     ids = torch.randint(0, 480, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    out = tmp_path / "out.npz"
-    args = dict(model=str(path), prompts=[ids], n_new=8, n_ctx=256, out=str(out))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
-    data = np.load(out)
-    tokens = data["tokens0"].tolist()
+    [(logits, tokens)] = _run_llamacpp(path, [ids], 8, 256, tmp_path)
     assert model.generate(ids, 8) == tokens
-    assert rel_err(torch.from_numpy(data["logits0"]), model.forward(ids + tokens[:-1])) <= 1e-4
+    assert rel_err(logits, model.forward(ids + tokens[:-1])) <= 1e-4
 
 
 def test_missing_rope_freq_base_is_read_as_llamacpp_reads_it(tiny_f32_checkpoint, ref, gguf_rewrite, tmp_path):
@@ -146,12 +146,25 @@ def test_missing_rope_freq_base_is_read_as_llamacpp_reads_it(tiny_f32_checkpoint
     model = ReferenceModel.from_gguf(path, qa_kv_norm_eps="rms_norm_eps")
     assert ref.rope_theta == 1e6 and model.rope_theta == 10000.0
     ids = PROMPTS[1]
-    out = tmp_path / "out.npz"
-    args = dict(model=str(path), prompts=[ids], n_new=1, n_ctx=64, out=str(out))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, f"llama.cpp exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
-    expected = torch.from_numpy(np.load(out)["logits0"])
+    [(expected, _)] = _run_llamacpp(path, [ids], 1, 64, tmp_path)
     got = model.forward(ids)
     assert rel_err(expected, got) <= 1e-4
     assert rel_err(expected, ref.forward(ids)) > 1e-3  # the base matters here: the default is what is checked
+
+
+def test_softmax_gating_is_run_as_llamacpp_runs_it(tiny_f32_checkpoint, ref, prompts, gguf_rewrite, tmp_path):
+    """``expert_gating_func`` 1 (softmax over the experts, then the same bias-chosen top-k and weights): the
+    reference's greedy tokens and logits match llama.cpp's (``build_moe_ffn``) on a dense and a sparse prompt, and
+    differ from sigmoid gating's, so the gating is what is compared. The reference refused such a file before."""
+    from gguf import GGUFValueType
+
+    path = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "softmax.gguf",
+                        set_keys={"glm-dsa.expert_gating_func": (1, GGUFValueType.UINT32)})
+    model = ReferenceModel.from_gguf(path, qa_kv_norm_eps="rms_norm_eps")
+    assert (ref.scoring_func, model.scoring_func) == ("sigmoid", "softmax")
+    chosen = [prompts[1], prompts[3]]
+    for ids, (logits, tokens) in zip(chosen, _run_llamacpp(path, chosen, 8, 128, tmp_path)):
+        assert model.generate(ids, 8) == tokens
+        full = ids + tokens[:-1]
+        assert rel_err(logits, model.forward(full)) <= 1e-4
+        assert rel_err(logits, ref.forward(full)) > 1e-2

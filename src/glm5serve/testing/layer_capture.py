@@ -125,17 +125,15 @@ def layer_errors(states: torch.Tensor, reference: list[torch.Tensor]) -> torch.T
 def router_near_ties(model, input_ids, num_layers: int, tau: float = ROUTER_NEAR_TIE) -> torch.Tensor:
     """(num_layers, T) bool: where the residual stream after a layer may legitimately differ between bf16 and fp32
     engines because an expert choice is a near-tie. ``model`` is a :class:`~glm5serve.reference.ReferenceModel`
-    run on ``input_ids``; a top-k margin ``choice[k-1] − choice[k]`` of the sorted ``sigmoid(router logits) +
-    e_score_correction_bias`` below ``tau`` at MoE layer ``j``, position ``s`` marks ``(j, s)`` and, since later
-    layers' attention reads position ``s``, ``(i, t)`` for every ``i > j``, ``t ≥ s``."""
-    import torch.nn.functional as F
-
+    run on ``input_ids``; a top-k margin ``choice[k-1] − choice[k]`` of the sorted choice scores
+    (:meth:`~glm5serve.reference.ReferenceModel.router_scores`) below ``tau`` at MoE layer ``j``, position ``s``
+    marks ``(j, s)`` and, since later layers' attention reads position ``s``, ``(i, t)`` for every ``i > j``,
+    ``t ≥ s``."""
     margins: dict[int, torch.Tensor] = {}
     router = model.router
 
     def spy(i, x):
-        z = F.linear(x.float(), model._p(i, "mlp.gate.weight").float()).sigmoid()
-        choice = (z + model._p(i, "mlp.gate.e_score_correction_bias").float()).sort(-1, descending=True).values
+        choice = model.router_scores(i, x)[1].sort(-1, descending=True).values
         margins[i] = (choice[:, model.top_k - 1] - choice[:, model.top_k]).cpu()
         return router(i, x)
 

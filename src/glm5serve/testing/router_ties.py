@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from glm5serve.testing.activation_rounding import PREFILL_ROUNDED, int8_activations
 
@@ -22,7 +21,7 @@ from glm5serve.testing.activation_rounding import PREFILL_ROUNDED, int8_activati
 @dataclass(frozen=True)
 class Flip:
     """The router of MoE layer ``layer`` at position ``pos`` (index into the ids) taking its runner-up expert
-    instead of its k-th; ``margin`` is the k-th minus the (k+1)-th choice score there (sigmoid units)."""
+    instead of its k-th; ``margin`` is the k-th minus the (k+1)-th choice score there (score units)."""
 
     layer: int
     pos: int
@@ -31,14 +30,13 @@ class Flip:
 
 def _ranked(model, i: int, x: torch.Tensor):
     """(scores (T, E) fp32, top-(k+1) of the choice scores) of MoE layer ``i`` on its normed input ``x`` (T, H)."""
-    scores = F.linear(x.float(), model._p(i, "mlp.gate.weight").float()).sigmoid()
-    choice = scores + model._p(i, "mlp.gate.e_score_correction_bias").float()
+    scores, choice = model.router_scores(i, x)
     return scores, choice.topk(model.top_k + 1, dim=-1)
 
 
 def _flipped_router(model, flip: Flip):
     """A drop-in for ``model.router`` that takes the runner-up expert at ``flip`` (weights renormalised over the new
-    set as the router does: the chosen sigmoid scores, ``norm_topk_prob``, ``routed_scaling_factor``)."""
+    set as the router does: the chosen scores, ``norm_topk_prob``, ``routed_scaling_factor``)."""
     k = model.top_k
 
     def router(i, x):
