@@ -205,6 +205,8 @@ def test_dequantize_tensor_from_file(tmp_path):
         dequantize_tensor(model["d.weight"])
     msg = str(e.value)
     assert str(path) in msg and "d.weight" in msg and "IQ2_XXS" in msg
+    # FILE: TENSOR: reason, in that order (GGUFModelError's one-line form), each in its own field
+    assert (e.value.file, e.value.tensor) == (str(path), "d.weight") and msg.startswith(f"{path}: d.weight: ")
 
 
 @pytest.mark.slow
