@@ -141,6 +141,14 @@ def test_too_large_for_bf16_or_float32_is_named():
         quantize(np.array([1e300, np.nan]), Q.F32)
 
 
+def test_f16_largest_finite_value_is_stored():
+    """65504 is fp16's largest finite value: F16 stores it exactly, as gguf-py does; only larger values are refused."""
+    x = np.array([[65504.0, -65504.0, 1.0, 0.0]], np.float32)
+    q = quantize(x, Q.F16)
+    np.testing.assert_array_equal(q, gguf_quants.quantize(x, Q.F16))
+    np.testing.assert_array_equal(q.astype(np.float32), x)
+
+
 @pytest.mark.parametrize("qtype", QUANTIZE_TYPES, ids=ids)
 def test_empty_input_gives_an_empty_result(qtype):
     """Every type returns an empty array: F32/F16 of the input's shape, the others of gguf-py's byte shape (gguf-py's
