@@ -201,6 +201,15 @@ def test_bytes_match_ggml_reference(ggml, qtype):
     assert same >= 0.99 * total, f"{qtype.name}: only {same}/{total} blocks identical to ggml's"
 
 
+@pytest.mark.parametrize("qtype", OWN_TYPES, ids=ids)
+def test_tiny_blocks_are_byte_identical_to_ggml(ggml, qtype):
+    """Blocks of tiny values, around ggml's GROUP_MAX_EPS (1e-15) and fp16's smallest subnormal: below the eps
+    ggml's Q6_K stores the whole block as zero bytes (``memset``), not the codes of its fit; every byte as ggml's."""
+    c = np.cos(np.arange(256, dtype=np.float32))
+    x = np.stack([c * np.float32(a) for a in (1e-20, 1e-15, 1e-14, 3e-14, 1e-13, 1e-10)]).astype(np.float32)
+    np.testing.assert_array_equal(quantize(x, qtype), ggml(x, qtype))
+
+
 def test_ggml_quantize_rejects_partial_blocks(ggml):
     with pytest.raises(ValueError, match="whole number"):
         ggml(np.zeros((1, 100), dtype=np.float32), Q.Q8_0)
