@@ -68,6 +68,16 @@ def test_special_ids_come_from_the_metadata(tok, tiny_checkpoint):
     assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)  # no BOS
 
 
+def test_a_special_id_one_past_the_vocabulary_names_no_token(tiny_checkpoint):
+    """Token ids run 0..n-1: a special-token id of n is outside the vocabulary (no such token; verify refuses it
+    from the metadata), so the tokenizer has no token in that role rather than failing with an IndexError."""
+    md = dict(GGUFModel(tiny_checkpoint).metadata)
+    tokens = md["tokenizer.ggml.tokens"]
+    md["tokenizer.ggml.eos_token_id"], md["tokenizer.ggml.padding_token_id"] = len(tokens), len(tokens) - 1
+    tok = tokenizer_from_gguf(md)
+    assert tok.eos_token is None and tok.pad_token == tokens[-1] and tok.bos_token == "[gMASK]"
+
+
 def test_chat_template_renders_glm_prompt(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
