@@ -103,6 +103,9 @@ def test_bad_tokenizer_metadata_is_a_one_line_error(tiny_checkpoint):
         tokenizer_from_gguf({**md, "tokenizer.ggml.pre": "qwen2"})
     with pytest.raises(GGUFModelError, match="missing"):
         tokenizer_from_gguf({k: v for k, v in md.items() if k != "tokenizer.ggml.merges"})
+    # one type per token: a short array would leave the last tokens (here a PAD) typed by nothing, silently
+    with pytest.raises(GGUFModelError, match="tokens/token_type/merges missing or of different lengths"):
+        tokenizer_from_gguf({**md, "tokenizer.ggml.token_type": md["tokenizer.ggml.token_type"][:-1]})
 
 
 @pytest.mark.parametrize("key,value,words", [
