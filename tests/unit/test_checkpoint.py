@@ -118,6 +118,10 @@ def test_ud_mix(tiny_checkpoint):
     for b in range(1, 4):
         assert types[f"blk.{b}.ffn_gate_exps.weight"] == types[f"blk.{b}.ffn_up_exps.weight"] == Q.Q4_K
         assert types[f"blk.{b}.ffn_gate_inp.weight"] == Q.F32
+        # UD-Q4_K_XL keeps more bits in the first MoE block's routed down projection only (not blocks 2 and MTP 3):
+        # Q5_K there, Q4_K after, each a row-parallel share of 256 / max_tp 4 = 64 values cannot hold, so llama.cpp's
+        # fallbacks Q5_1 and Q5_0
+        assert types[f"blk.{b}.ffn_down_exps.weight"] == (Q.Q5_1 if b == TINY.first_k_dense_replace else Q.Q5_0), b
     specs = {s.gguf_name: s for s in schema.expected_tensors(config_from_metadata(m))}
     for t in m:  # blocks fit every row, and every row-parallel shard at the preset's largest TP
         block = GGML_QUANT_SIZES[t.qtype][0]
