@@ -171,6 +171,9 @@ def test_split_set_holds_the_same_tensors(tiny_split_checkpoint, tiny_checkpoint
         assert split[name].qtype == t.qtype and np.array_equal(split[name].raw(), t.raw()), name
     later = GGUFReader(split.paths[1]).fields
     assert {k for k in later if not k.startswith("GGUF.")} == {"split.no", "split.count", "split.tensors.count"}
+    for shard in split.paths[1:]:  # any shard names the set, the last one included
+        other = GGUFModel(shard)
+        assert other.paths == split.paths and list(other.tensors) == list(whole.tensors), shard.name
 
 
 class _TopKRecorder(TorchFunctionMode):
