@@ -365,6 +365,23 @@ def test_default_checkpoint_is_built_once(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.parametrize("module", ["checkpoint", "quantize", "tokenizer", "_corpus", "schema", "config"])
+def test_an_edit_to_any_module_that_writes_checkpoint_bytes_changes_the_cache_digest(module, monkeypatch):
+    """A cached checkpoint is keyed by the code that wrote it: the layout and mixes (checkpoint), the K-quant bytes
+    (quantize), the vocabulary (tokenizer, _corpus), the tensor inventory and kv_b split (schema) and the metadata
+    read back as a config (config). Editing any of them must give a new digest, or a stale checkpoint is served."""
+    import importlib.util
+    from pathlib import Path
+
+    from glm5serve.cache import code_digest
+
+    before = code_digest.__wrapped__()
+    origin = Path(importlib.util.find_spec(f"glm5serve.{module}").origin)
+    read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read(self) + (b"\n# edited\n" if self == origin else b""))
+    assert code_digest.__wrapped__() != before
+
+
 @pytest.mark.parametrize("damage", ["truncate", "remove", "empty COMPLETE", "garbled COMPLETE", "no COMPLETE",
                                     "COMPLETE a folder"])
 def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, capsys):
