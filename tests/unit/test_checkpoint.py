@@ -382,8 +382,8 @@ def test_an_edit_to_any_module_that_writes_checkpoint_bytes_changes_the_cache_di
     assert code_digest.__wrapped__() != before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove", "empty COMPLETE", "garbled COMPLETE", "no COMPLETE",
-                                    "COMPLETE a folder"])
+@pytest.mark.parametrize("damage", ["truncate", "grow", "remove", "empty COMPLETE", "garbled COMPLETE",
+                                    "no COMPLETE", "COMPLETE a folder"])
 def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, capsys):
     """A cached file cut short or removed after its build (COMPLETE records each file's size), or a COMPLETE emptied
     or garbled, is rebuilt with a one-line note, not reported as a broken GGUF (or, for COMPLETE, a traceback:
@@ -399,6 +399,10 @@ def test_a_damaged_cached_checkpoint_is_rebuilt(damage, tmp_path, monkeypatch, c
         with open(shard2, "r+b") as f:
             f.truncate(sizes[shard2] // 2)
         said = f"{shard2.name} is {sizes[shard2] // 2} bytes, built as {sizes[shard2]}"
+    elif damage == "grow":  # written over by something longer (another build's file, an append)
+        with open(shard2, "ab") as f:
+            f.write(b"\0" * 32)
+        said = f"{shard2.name} is {sizes[shard2] + 32} bytes, built as {sizes[shard2]}"
     elif damage == "remove":
         shard2.unlink()
         said = f"{shard2.name} is missing"
