@@ -778,6 +778,15 @@ def test_a_shard_with_the_wrong_split_number(tiny_split_checkpoint, tmp_path, gg
               "split.no is 2, but shard 2 of the set needs split.no=1")
 
 
+def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, capsys):
+    """Shard 1 of a 3-file set copied under a plain name holds a third of the tensors; its split.count says so, and
+    the file is refused naming that key, not opened as a model of one file."""
+    path = tmp_path / "renamed.gguf"
+    shutil.copy(tiny_split_checkpoint, path)
+    _one_line(["inspect", str(path)], capsys, path.name, "split.count=3 but the file name says 1 files")
+    _verify_fail(path, capsys, path.name, "split.count=3")
+
+
 @pytest.mark.parametrize("bad_merge,words", [("zz qq", "tokenizer.ggml.merges: "),
                                              ("a", "tokenizer.ggml.merges[0] is 'a', not two tokens")])
 def test_malformed_merges_are_one_line(bad_merge, words, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
