@@ -405,6 +405,8 @@ def test_a_chat_template_that_does_not_render(tiny_checkpoint, tmp_path, capsys)
     ("glm-dsa.attention.indexer.top_k", True, "BOOL", "an integer"),
     # fresh-user finding: a traceback from the tokenizer's int('x') in generate, an unnamed key in verify
     ("tokenizer.ggml.unknown_token_id", "x", "STRING", "an integer"),
+    # a count stored as a fractional number is no count (int() would take 2.5 as 2 experts per token)
+    ("glm-dsa.expert_used_count", 2.5, "FLOAT32", "an integer"),
 ])
 def test_metadata_of_the_wrong_type_names_key_and_type(key, value, vtype, expected, tiny_checkpoint, tmp_path,
                                                        capsys):
