@@ -137,6 +137,23 @@ def test_large_tensors_are_sampled_and_still_checked(tiny_checkpoint, tmp_path, 
     assert verify_mod.SAMPLE_ROWS in read_rows
 
 
+@pytest.mark.parametrize("word", [0x7FC0, 0xFF81, 0x7F80], ids=["qNaN", "negative sNaN", "inf"])
+def test_bf16_nan_and_inf_are_not_finite(word, tiny_bf16_checkpoint, tmp_path, gguf_rewrite):
+    """A BF16 weight is NaN when its exponent bits are all ones and its mantissa is not 0 (inf when it is 0); both
+    fail the finite check, naming the tensor and the row, as gguf-py's dequantized values are not finite there."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    m = GGUFModel(tiny_bf16_checkpoint)
+    name = "blk.0.attn_q_b.weight"
+    assert m[name].qtype == Q.BF16
+    raw = np.array(m[name].data)  # uint8 rows of 2-byte values
+    raw.view(np.uint16)[3, 5] = word
+    assert not np.isfinite(gguf_dequantize(raw, Q.BF16)[3, 5])
+    path = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / "bf16_nan.gguf", replace={name: (raw, Q.BF16)})
+    (line,) = _failures(verify(path, 1, [*HEADER, verify_mod.check_finite]))
+    assert name in line and "non-finite value after dequantization (row 3, block 5)" in line, line
+
+
 def test_sample_rows_cover_both_ends():
     rows = verify_mod._sample_rows(10_000)
     assert rows[0] == 0 and rows[-1] == 9999 and len(rows) == verify_mod.SAMPLE_ROWS
