@@ -253,6 +253,37 @@ def test_tp_that_verify_rejects_fails_to_load_with_its_message(tiny_checkpoint, 
     assert str(e.value) == failed[0].detail
 
 
+def test_a_config_that_disagrees_with_the_gguf_on_a_tensor_shape_is_refused(tiny_checkpoint):
+    """vLLM builds the model from its config, the adapter reads the GGUF: ``check_file`` refuses a config that
+    differs from the metadata on any field that some loaded tensor's shape depends on (found here by changing the
+    field and asking the schema, MTP block excluded), naming the field."""
+    import copy
+
+    from glm5serve import schema
+    from glm5serve.config import config_from_metadata
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.gguf_file import GGUFModel
+    from glm5serve.vllm_plugin.weights import check_file
+
+    def shapes(c):
+        return {s.gguf_name: s.shape for s in schema.expected_tensors(c) if s.kind != "mtp"}
+
+    cfg = config_from_metadata(GGUFModel(tiny_checkpoint))
+    check_file(tiny_checkpoint, cfg, 1)
+    shaping = []
+    for field, value in sorted(vars(cfg).items()):
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        other = copy.deepcopy(cfg)
+        setattr(other, field, value + 1)
+        if shapes(other) == shapes(cfg):
+            continue
+        shaping.append(field)
+        with pytest.raises(GGUFModelError, match=f"{field}={value + 1} \\(GGUF: {value}\\)"):
+            check_file(tiny_checkpoint, other, 1)
+    assert {"hidden_size", "index_head_dim", "index_n_heads", "first_k_dense_replace", "vocab_size"} <= set(shaping)
+
+
 def test_vllm_engine_path_loads_on_cpu_and_mla_gets_k_b_and_v_b(tiny_split_checkpoint):
     """The path ``vllm serve MODEL.gguf`` takes, short of the GPU: engine arguments with nothing but the GGUF ->
     ModelConfig (config and tokenizer from the GGUF) -> the registered ``gguf`` loader -> vLLM's model class from its
