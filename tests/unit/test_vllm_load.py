@@ -284,6 +284,20 @@ def test_a_config_that_disagrees_with_the_gguf_on_a_tensor_shape_is_refused(tiny
     assert {"hidden_size", "index_head_dim", "index_n_heads", "first_k_dense_replace", "vocab_size"} <= set(shaping)
 
 
+@pytest.mark.parametrize("kind", ["generic", "cuda"])
+def test_the_stream_stores_every_tensor_as_the_built_model_holds_it(tiny_checkpoint, kind):
+    """``prepare_weights`` (the plugin's stream API) decides dense or GGUF storage from ``unquantized_modules``
+    alone, without the model; it must hand over every tensor under the names ``load_into`` gives it from the
+    parameters of the model vLLM built (e.g. the indexer's ``wk``/``weights_proj``: ``wk_weights_proj`` is built
+    without a quant config, so dense)."""
+    from glm5serve.vllm_plugin.cpu import build_and_load
+
+    model, adapter = build_and_load(tiny_checkpoint, tp=1, kind=kind)
+    built = [name for name, _ in adapter.weights_for(dict(model.named_parameters()))]
+    assert "model.layers.0.self_attn.indexer.wk.weight" in built
+    assert [name for name, _ in adapter.prepare_weights()] == built
+
+
 def test_vllm_engine_path_loads_on_cpu_and_mla_gets_k_b_and_v_b(tiny_split_checkpoint):
     """The path ``vllm serve MODEL.gguf`` takes, short of the GPU: engine arguments with nothing but the GGUF ->
     ModelConfig (config and tokenizer from the GGUF) -> the registered ``gguf`` loader -> vLLM's model class from its
