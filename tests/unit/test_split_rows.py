@@ -269,3 +269,26 @@ def test_split_linear_weights_regroups_gguf_linears_and_their_shards(monkeypatch
         assert torch.equal(m.qweight.data, split_rows(before[id(m)], Q.Q6_K, 512))
     for m in (kquant, odd, other, embed):
         assert torch.equal(m.qweight.data, before[id(m)]) and m.qweight_type.weight_type < 0x100
+
+
+def test_split_linear_weights_uses_the_rows_this_rank_holds():
+    """A row-parallel layer at TP=2 holds half of each row (``input_size_per_partition``; vLLM's ``input_size`` is
+    the whole row): its rows are regrouped as rows of that half. A ``ReplicatedLinear`` has no per-partition size
+    and holds whole rows of ``input_size``."""
+    pytest.importorskip("vllm_gguf_plugin", reason="vllm / vllm-gguf-plugin not installed")
+    from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+
+    from glm5serve.kernels.vllm_ops import split_linear_weights
+
+    K = 64
+    rank = _layer(GGUFLinearMethod, [(4, Q.Q8_0)], K, seed=11)
+    rank.input_size = 2 * K
+    replicated = _layer(GGUFLinearMethod, [(4, Q.Q4_0)], K, seed=12)
+    del replicated.input_size_per_partition
+    replicated.input_size = K
+    before = {id(m): m.qweight.detach().clone() for m in (rank, replicated)}
+    assert split_linear_weights(torch.nn.ModuleList([rank, replicated]), devices=("cpu",)) == 2
+    assert torch.equal(rank.qweight.data, split_rows(before[id(rank)], Q.Q8_0, K))
+    assert torch.equal(replicated.qweight.data, split_rows(before[id(replicated)], Q.Q4_0, K))
+    assert (rank.qweight_type.weight_type, replicated.qweight_type.weight_type) == (split_type(Q.Q8_0),
+                                                                                    split_type(Q.Q4_0))
