@@ -135,4 +135,31 @@ FAULTS: tuple[Fault, ...] = (
             "scores = logits.sigmoid()"),),
           (U + "test_llamacpp_oracle.py::test_softmax_gating_is_run_as_llamacpp_runs_it",
            P + "test_bug_classes.py::test_class14_vllm_softmax_gated_moe_layer_equals_reference")),
+    # a second mutation audit (GGUF reading, verify, the vLLM adapter, split rows, the quantizer)
+    Fault("last-shard-refused", "split shards", "a split set cannot be opened by its last shard (shard n of n)",
+          "src/glm5serve/gguf_file.py",
+          (('if not 1 <= int(m["no"]) <= count:', 'if not 1 <= int(m["no"]) < count:'),),
+          (U + "test_checkpoint.py::test_split_set_holds_the_same_tensors",)),
+    Fault("split-count-ignored-for-one-file", "split shards",
+          "a lone file whose split.count says 3 (a renamed shard 1) is opened as a whole model",
+          "src/glm5serve/gguf_file.py",
+          (("if declared != count and not (declared == 1 and count == 1):", "if count > 1 and declared != count:"),),
+          (U + "test_bad_input.py::test_a_renamed_shard_is_not_read_as_a_whole_model",)),
+    Fault("bf16-nan-is-finite", "numerics", "verify's finite check takes a BF16 NaN (mantissa not 0) for finite",
+          "src/glm5serve/verify.py",
+          (("bad = (rows.view(np.uint16) & 0x7F80) == 0x7F80", "bad = (rows.view(np.uint16) & 0x7FFF) == 0x7F80"),),
+          (U + "test_verify.py::test_bf16_nan_and_inf_are_not_finite",)),
+    Fault("config-check-skips-indexer-dim", "name map", "the adapter accepts a config whose index_head_dim differs "
+          "from the GGUF's", "src/glm5serve/vllm_plugin/weights.py",
+          (('"index_head_dim", "n_routed_experts",', '"n_routed_experts",'),),
+          (U + "test_vllm_load.py::test_a_config_that_disagrees_with_the_gguf_on_a_tensor_shape_is_refused",)),
+    Fault("split-rows-whole-row-k", "TP slicing", "split rows of a row-parallel rank's share are regrouped as "
+          "rows of the whole input_size", "src/glm5serve/kernels/vllm_ops.py",
+          (('getattr(layer, "input_size_per_partition", None) or getattr(layer, "input_size", None))',
+            'getattr(layer, "input_size", None) or getattr(layer, "input_size_per_partition", None))'),),
+          (U + "test_split_rows.py::test_split_linear_weights_uses_the_rows_this_rank_holds",)),
+    Fault("q6k-tiny-block-codes", "quant bytes", "Q6_K keeps the codes of a block whose scale is below "
+          "GROUP_MAX_EPS (ggml zeroes it)", "src/glm5serve/quantize.py",
+          (("    out[zero] = 0\n    return out", "    return out"),),
+          (U + "test_quantize.py::test_tiny_blocks_are_byte_identical_to_ggml",)),
 )
