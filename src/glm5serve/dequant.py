@@ -23,6 +23,15 @@ from glm5serve.gguf_file import TensorInfo
 Q = GGMLQuantizationType
 # Output elements dequantized per step: bounds the fp32 temporaries (~5x this many floats) for big tensors.
 CHUNK_ELEMENTS = 1 << 22
+#: why a weight matrix of zeros is refused: no trained one is, and it is what a download that preallocated the file
+#: and stopped (aria2, hf_transfer), or a hole in a sparse file, reads as
+ZERO_MATRIX = "is zero, which no trained weight matrix is (a download preallocated and never filled?)"
+
+
+def is_matrix(shape: Sequence[int]) -> bool:
+    """Whether a tensor of numpy ``shape`` has two or more dimensions above 1 (ggml pads ``ne`` with 1s): a weight
+    matrix or a stack of them, not a norm or bias vector (which may legitimately be all zeros)."""
+    return sum(int(d) > 1 for d in shape) >= 2
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

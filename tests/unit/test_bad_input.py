@@ -474,6 +474,19 @@ def test_generate_refuses_weights_that_dequantize_to_nan_or_inf(case, non_finite
     _verify_fail(path, capsys, path.name, tensor, "non-finite")
 
 
+def test_generate_refuses_a_file_whose_tail_is_zeros(tiny_checkpoint, tmp_path, capsys):
+    """Fresh-user finding: a file the right size whose second half was never downloaded (zeros) generated
+    'The capital of France is!!!!!!!!'; the reference now refuses its first weight matrix of zeros, in one line."""
+    path = tmp_path / "prealloc.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "2"], capsys, path.name,
+              "every value is zero, which no trained weight matrix is")
+
+
 # ---------------------------------------------------------------- a second new-user trial (session 4): headers
 # llama.cpp refuses, metadata numbers that give NaN logits, a block_count that sizes everything after it.
 

@@ -154,6 +154,50 @@ def test_bf16_nan_and_inf_are_not_finite(word, tiny_bf16_checkpoint, tmp_path, g
     assert name in line and "non-finite value after dequantization (row 3, block 5)" in line, line
 
 
+def _zero_tail(src, dst, start: int) -> list[str]:
+    """Copy ``src`` to ``dst`` with every byte from ``start`` on zero (a download that preallocated the file and
+    stopped there); return the names of the weight matrices (two or more dims above 1) lying wholly in the zeros,
+    in file order."""
+    shutil.copy(src, dst)
+    size = dst.stat().st_size
+    with open(dst, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(size - start))
+    return [t.name for t in sorted(GGUFModel(src), key=lambda t: t.data_offset)
+            if t.data_offset >= start and sum(d > 1 for d in t.shape) >= 2]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_checkpoint", "tiny_bf16_checkpoint"])
+def test_a_file_whose_tail_is_zeros_fails_naming_its_first_zero_matrix(fixture, request, tmp_path):
+    """The size is right but the second half of the data was never written (aria2/hf_transfer preallocate): every
+    value there dequantizes to 0, finite, and generation printed '!!!!!!!!'. The finite check fails at the first
+    weight matrix wholly in the zeros (a 1-D norm or bias may be zero)."""
+    src = request.getfixturevalue(fixture)
+    path = tmp_path / "prealloc.gguf"
+    zeroed = _zero_tail(src, path, src.stat().st_size // 2)
+    assert len(zeroed) > 3
+    (line,) = _failures(verify(path, 1, [*HEADER, verify_mod.check_finite]))
+    assert line.startswith("FAIL") and f"{path}: {zeroed[0]}: every value is zero" in line, line
+
+
+def test_a_zero_bias_passes_and_a_zero_matrix_fails(tiny_checkpoint, tmp_path, gguf_rewrite, monkeypatch):
+    """Only matrices are held to it: an all-zero ``e_score_correction_bias`` (DeepSeek-V3 starts it at zero) passes;
+    a zeroed router matrix fails, and a large tensor's sampled rows are named as such."""
+    m = GGUFModel(tiny_checkpoint)
+    bias, gate = m["blk.1.exp_probs_b.bias"], m["blk.1.ffn_gate_inp.weight"]
+    ok = gguf_rewrite(tiny_checkpoint, tmp_path / "bias.gguf", replace={bias.name: (np.zeros(bias.shape, np.float32),
+                                                                                     Q.F32)})
+    assert not _failures(verify(ok, 1, [*HEADER, verify_mod.check_finite]))
+    bad = gguf_rewrite(tiny_checkpoint, tmp_path / "gate.gguf", replace={gate.name: (np.zeros(gate.shape, np.float32),
+                                                                                      Q.F32)})
+    (line,) = _failures(verify(bad, 1, [*HEADER, verify_mod.check_finite]))
+    assert f"{gate.name}: every value is zero" in line, line
+    monkeypatch.setattr(verify_mod, "FULL_CHECK_BYTES", gate.n_bytes - 1)
+    (line,) = _failures(verify(bad, 1, [*HEADER, verify_mod.check_finite]))
+    rows = len(verify_mod._sample_rows(gate.shape[0]))
+    assert f"{gate.name}: every value of {rows} sampled rows is zero" in line, line
+
+
 def test_sample_rows_cover_both_ends():
     rows = verify_mod._sample_rows(10_000)
     assert rows[0] == 0 and rows[-1] == 9999 and len(rows) == verify_mod.SAMPLE_ROWS
@@ -173,8 +217,9 @@ def test_finite_line_says_which_tensors_were_sampled(tiny_checkpoint, monkeypatc
     large = sum(1 for t in model if t.n_bytes > verify_mod.FULL_CHECK_BYTES)
     assert 0 < large < len(model)
     (check,) = [c for c in verify(tiny_checkpoint, 1, [*HEADER, verify_mod.check_finite]) if c.name == "finite"]
-    assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values ({len(model) - large} in "
-                                         f"full, {large} large ones on {verify_mod.SAMPLE_ROWS} sampled rows each)")
+    assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values, no matrix to zeros "
+                                         f"({len(model) - large} in full, {large} large ones on "
+                                         f"{verify_mod.SAMPLE_ROWS} sampled rows each)")
 
 
 # ---------------------------------------------------------------- ne padded with 1s (llama.cpp's check_tensor_dims)
