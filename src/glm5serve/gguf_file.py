@@ -269,11 +269,11 @@ def _short(v: Any) -> str:
 def metadata_value(key: str, v: Any, kind: type, path: str):
     """Metadata value ``v`` of ``key`` as ``kind`` (int, float or bool). Raises GGUFModelError naming ``path``,
     ``key`` and the type expected when a value of another GGUF type (a string, an array, a boolean for a number,
-    a fractional number for an integer key, a number other than 0 or 1 for a boolean key: NaN or 0.5 is no truth
-    value) is stored there."""
+    a float for an integer key, even 4.0, as llama.cpp's typed ``get_key`` refuses it: "wrong type f32 but expected
+    type u32"; a number other than 0 or 1 for a boolean key: NaN or 0.5 is no truth value) is stored there."""
     is_bool = isinstance(v, (bool, np.bool_))
     ok = isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and (kind is bool or not is_bool) and (
-        kind is not int or float(v).is_integer()) and (kind is not bool or is_bool or v in (0, 1))
+        kind is not int or not isinstance(v, (float, np.floating))) and (kind is not bool or is_bool or v in (0, 1))
     if not ok:
         raise GGUFModelError(f"metadata key {key} is {_short(v)}, expected {_KINDS[kind]}", file=path)
     return kind(v)

@@ -407,6 +407,8 @@ def test_a_chat_template_that_does_not_render(tiny_checkpoint, tmp_path, capsys)
     ("tokenizer.ggml.unknown_token_id", "x", "STRING", "an integer"),
     # a count stored as a fractional number is no count (int() would take 2.5 as 2 experts per token)
     ("glm-dsa.expert_used_count", 2.5, "FLOAT32", "an integer"),
+    # nor is a whole one: llama.cpp refuses a FLOAT32 count ("wrong type f32 but expected type u32")
+    ("glm-dsa.attention.head_count", 4.0, "FLOAT32", "an integer"),
 ])
 def test_metadata_of_the_wrong_type_names_key_and_type(key, value, vtype, expected, tiny_checkpoint, tmp_path,
                                                        capsys):
