@@ -319,7 +319,10 @@ class GGUFModel:
                     n_bytes=int(t.n_bytes), file=str(p), data_offset=int(t.data_offset), data=t.data,
                 )
         if count > 1:
-            want = metadata_value(SPLIT_TENSORS, self.metadata.get(SPLIT_TENSORS, -1), int, str(self.path))
+            if self.metadata.get(SPLIT_TENSORS) is None:  # llama.cpp: "key not found in model"
+                raise GGUFModelError(f"metadata key {SPLIT_TENSORS} is missing from shard 1 of {count}",
+                                     file=str(self.path))
+            want = metadata_value(SPLIT_TENSORS, self.metadata[SPLIT_TENSORS], int, str(self.path))
             if want != len(self.tensors):
                 raise GGUFModelError(
                     f"{SPLIT_TENSORS}={want} but the {count} files hold {len(self.tensors)} tensors", file=str(self.path))

@@ -795,6 +795,19 @@ def test_a_shard_with_the_wrong_split_number(tiny_split_checkpoint, tmp_path, gg
               "split.no is 2, but shard 2 of the set needs split.no=1")
 
 
+def test_a_split_set_without_its_tensor_count(tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """Shard 1 without split.tensors.count: llama.cpp says "key not found in model"; the message said
+    'split.tensors.count=-1', a placeholder (fresh-user finding)."""
+    paths = GGUFModel(tiny_split_checkpoint).paths
+    for p in paths[1:]:
+        shutil.copy(p, tmp_path / p.name)
+    first = gguf_rewrite(paths[0], tmp_path / paths[0].name, drop_keys={"split.tensors.count"})
+    line = _one_line(["inspect", str(first)], capsys, first.name,
+                     "metadata key split.tensors.count is missing from shard 1 of 3")
+    assert "-1" not in line
+    _verify_fail(first, capsys, "split.tensors.count is missing")
+
+
 def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, capsys):
     """Shard 1 of a 3-file set copied under a plain name holds a third of the tensors; its split.count says so, and
     the file is refused naming that key, not opened as a model of one file."""
