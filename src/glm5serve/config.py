@@ -117,6 +117,26 @@ def eog_token_ids(model) -> list[int]:
     return ids
 
 
+#: llama.cpp's RoPE scaling types (``LLAMA_ROPE_SCALING_TYPES``); another name fails its assertion
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+def _refuse_rope_scaling(md: dict, path: str) -> None:
+    """Raise GGUFModelError for a file whose RoPE is scaled: ``rope.scaling.factor`` (or the older
+    ``rope.scale_linear``) other than 1 (0 or absent means 1, as in llama.cpp's ``load_hparams``:
+    ``freq_scale = 1 / factor``), or a ``rope.scaling.type`` llama.cpp does not know. GLM-5 has none, and neither
+    the reference nor the config given to vLLM applies one: such a file would run with plain RoPE, silently."""
+    kind = md.get(f"{ARCH}.rope.scaling.type")
+    if kind is not None and (not isinstance(kind, str) or kind not in ROPE_SCALING_TYPES):
+        raise GGUFModelError(f"{ARCH}.rope.scaling.type is {_short(kind)}, not one of "
+                             f"{', '.join(ROPE_SCALING_TYPES)}", file=path)
+    for key in (f"{ARCH}.rope.scaling.factor", f"{ARCH}.rope.scale_linear"):
+        v = md.get(key)
+        if v is not None and metadata_value(key, v, float, path) not in (0.0, 1.0):
+            raise GGUFModelError(f"{key}={float(v):g}: RoPE scaling ({kind or 'linear'}) is not supported; GLM-5 "
+                                 "has none, and the engines here would run plain RoPE", file=path)
+
+
 def config_from_metadata(model) -> GlmMoeDsaConfig:
     """Build a ``GlmMoeDsaConfig`` from a :class:`~glm5serve.gguf_file.GGUFModel`, a GGUF path, or a plain metadata
     dict.
@@ -138,7 +158,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
     positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
     ``leading_dense_block_count``, a special token id outside the vocabulary, an ``attention.indexer.types``
-    name other than ``full``/``shared``), or when transformers'
+    name other than ``full``/``shared``, a RoPE scaling: :func:`_refuse_rope_scaling`), or when transformers'
     ``GlmMoeDsaConfig`` rejects the values (its own message, one line).
     """
     if isinstance(model, (str, os.PathLike)):
@@ -199,6 +219,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
            for role, i in ids.items() if i is not None and not 0 <= i < vocab]
     if bad:
         raise GGUFModelError("; ".join(bad), file=path)
+    _refuse_rope_scaling(md, path)
     indexer_types = md.get(f"{ARCH}.attention.indexer.types")
     kwargs: dict[str, Any] = {}
     if isinstance(indexer_types, (bool, int, np.bool_, np.integer)):  # one value for every layer (get_key_or_arr)

@@ -136,6 +136,29 @@ def test_indexer_types_that_are_not_booleans_are_refused(value, shown):
         ["full", "shared", "full"]
 
 
+@pytest.mark.parametrize("keys,words", [
+    ({"glm-dsa.rope.scaling.type": "linear", "glm-dsa.rope.scaling.factor": 8.0},
+     r"glm-dsa\.rope\.scaling\.factor=8: RoPE scaling \(linear\) is not supported"),
+    ({"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 4.0}, r"factor=4: RoPE scaling \(yarn\)"),
+    ({"glm-dsa.rope.scale_linear": 2.0}, r"glm-dsa\.rope\.scale_linear=2: RoPE scaling \(linear\)"),
+    ({"glm-dsa.rope.scaling.type": "dynamic"}, r"rope\.scaling\.type is 'dynamic', not one of none, linear, yarn"),
+])
+def test_rope_scaling_is_refused_not_ignored(keys, words):
+    """llama.cpp scales RoPE by these keys (freq_scale = 1 / factor; fresh-user finding: the reference's logits were
+    up to 42 away from llama.cpp's on a linear x8 file); the config dropped them, so every engine here ran plain
+    RoPE. Refused, naming the key."""
+    with pytest.raises(GGUFModelError, match=words):
+        config_from_metadata(_md(**keys))
+
+
+@pytest.mark.parametrize("keys", [{"glm-dsa.rope.scaling.type": "none"},
+                                  {"glm-dsa.rope.scaling.type": "linear", "glm-dsa.rope.scaling.factor": 1.0},
+                                  {"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 0.0}])
+def test_rope_scaling_by_one_is_plain_rope(keys):
+    """A factor of 1 (or 0, llama.cpp's "unset") scales nothing, whatever the type: accepted."""
+    assert config_from_metadata(_md(**keys)).rope_parameters["rope_type"] == "default"
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
