@@ -23,6 +23,7 @@ from glm5serve.checkpoint import _FILE_TYPES, FULL_PRESETS, PRESETS, Preset, ggu
     preset_config, refuse_existing, replacing, tensor_type
 from glm5serve.config import ARCH
 from glm5serve.errors import GGUFModelError
+from glm5serve.gguf_file import SPLIT_RE
 from glm5serve.schema import expected_tensors
 
 #: metadata key marking a header whose tensor data is a hole
@@ -194,6 +195,9 @@ def add_parser(subparsers) -> None:
 
 def _run(args) -> int:
     out = Path(args.out)
+    if SPLIT_RE.match(out.name):  # every reader would look for the other shards of that set
+        raise GGUFModelError("named like a shard of a split set (...-0000k-of-0000n.gguf); a synthetic header is one "
+                             "file: choose another name", file=str(out))
     refuse_existing(out, args.force)  # a dangling link was written through, creating its target
     if not out.parent.is_dir():
         raise GGUFModelError(f"{out.parent}: " + ("not a directory" if out.parent.exists() else "no such directory"))

@@ -274,6 +274,17 @@ def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
         assert capsys.readouterr().err.strip() == f"glm5serve make-checkpoint: {out}: not a directory"
 
 
+def test_synthetic_gguf_refuses_a_split_shard_name(tmp_path, capsys):
+    """A header written as x-00001-of-00002.gguf is one file that every reader opens as shard 1 of a 2-file set,
+    then fails on the missing shard 2 (fresh-user finding): refused before writing, in one line."""
+    out = tmp_path / "x-00001-of-00002.gguf"
+    assert main(["synthetic-gguf", str(out), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"glm5serve synthetic-gguf: {out}: named like a shard of a split set " \
+                          "(...-0000k-of-0000n.gguf); a synthetic header is one file: choose another name"
+    assert not out.exists()
+
+
 def test_force_replaces_a_link_never_its_target(tmp_path, capsys):
     """--force wrote through a symbolic link (a text file it pointed at became a GGUF), and synthetic-gguf wrote
     through a dangling link, creating its target (fresh-user findings): the name itself is replaced."""
