@@ -182,3 +182,61 @@ def test_the_printed_command_pastes_into_a_shell(tiny_checkpoint, tmp_path, caps
     assert main(["serve", str(spaced), "--dry-run", "--max-model-len", "64"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("vLLM:"))
     assert shlex.split(line.split(":", 1)[1])[-4:] == ["serve", str(spaced), "--max-model-len", "64"]
+
+
+@pytest.mark.parametrize("args,given", [
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"), (["-pp", "2"], "--pipeline-parallel-size 2"),
+    (["--pipeline-parallel-size=2"], "--pipeline-parallel-size 2"), (["--pipeline_parallel_size", "4"],
+                                                                       "--pipeline-parallel-size 4"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel"), (["-ep"], "--enable-expert-parallel"),
+    (["--disable-expert-parallel", "--enable_expert_parallel"], "--enable-expert-parallel"),
+    (["-pp", "2", "-ep"], "--pipeline-parallel-size 2 or --enable-expert-parallel")])
+def test_pipeline_and_expert_parallelism_are_refused_before_vllm_starts(tiny_checkpoint, monkeypatch, capsys, args,
+                                                                        given):
+    """Tester finding: serve printed and started the vLLM command; glm5serve's loader refused these only inside
+    load_model, after vLLM had started its workers on the GPUs. Refused in one line naming the file and the flag,
+    with the loader's own words (vllm_plugin.check_parallel)."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(serve.os, "execv", lambda exe, argv: calls.append(argv))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    want = (f"glm5serve serve: {tiny_checkpoint}: glm5serve loads GLM-5 GGUF with tensor parallelism only, not "
+            f"{given} (experts load as whole 3-D tensors; every layer must reach each GPU)")
+    for extra in (["--dry-run"], []):
+        assert main(["serve", str(tiny_checkpoint), *extra, *args]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip() == want and not captured.out, captured
+    assert calls == []
+
+
+def test_what_the_loader_takes_is_not_refused(tiny_checkpoint, capsys):
+    """Pipeline size 1, expert parallelism switched off again and data parallelism load (the loader takes them)."""
+    for args in (["-pp", "1"], ["-ep", "--no-enable-expert-parallel"], ["--enable-expert-parallel",
+                                                                        "--disable-expert-parallel"], ["-dp", "2"]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.rstrip().endswith(" ".join(args))
+    for args, want in ((["-pp", "two"], "--pipeline-parallel-size must be an integer, not 'two'"),
+                       (["--pipeline-parallel-size=0"], "--pipeline-parallel-size must be >= 1, not 0"),
+                       (["--enable-expert"], "--enable-expert: write --enable-expert-parallel in full (glm5serve "
+                                             "checks it before vLLM)")):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve serve: {want}"
+
+
+def test_the_loader_refuses_pipeline_and_expert_parallelism_in_the_same_words(tiny_checkpoint, capsys):
+    """One source of truth: the loader (inside vLLM) and serve's pre-flight say the same."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.vllm_plugin.loader import _check_parallel
+
+    model_config = SimpleNamespace(model_weights=str(tiny_checkpoint), model=str(tiny_checkpoint))
+    for pp, ep, args in ((2, False, ["-pp", "2"]), (1, True, ["-ep"]), (3, True, ["-pp", "3", "-ep"])):
+        parallel = SimpleNamespace(pipeline_parallel_size=pp, enable_expert_parallel=ep)
+        with pytest.raises(GGUFModelError) as e:
+            _check_parallel(SimpleNamespace(parallel_config=parallel), model_config)
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve serve: {e.value}"
+    _check_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)), model_config)

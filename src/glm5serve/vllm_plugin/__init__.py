@@ -25,6 +25,20 @@ def require_gpus(tp: int) -> None:
                              "sparse attention on a CPU")
 
 
+def check_parallel(pipeline_parallel_size: int, expert_parallel: bool, file: str | None = None) -> None:
+    """Raise GGUFModelError (one line, naming ``file`` and the flag) for pipeline parallelism (a size above 1) or
+    expert parallelism: glm5serve loads GLM-5's experts as whole 3-D tensors (no per-expert placement) and needs
+    every layer's tensors in each process (the completeness check). The loader and ``serve``'s pre-flight both ask
+    here, so that what vLLM would refuse only after it took the GPUs is refused before."""
+    from glm5serve.errors import GGUFModelError
+
+    given = [f"--pipeline-parallel-size {pipeline_parallel_size}"] * (pipeline_parallel_size > 1)
+    given += ["--enable-expert-parallel"] * bool(expert_parallel)
+    if given:
+        raise GGUFModelError(f"glm5serve loads GLM-5 GGUF with tensor parallelism only, not {' or '.join(given)} "
+                             "(experts load as whole 3-D tensors; every layer must reach each GPU)", file=file)
+
+
 #: vLLM's switch for running MoE shared experts on a second CUDA stream, overlapped with the routed experts
 SHARED_EXPERTS_STREAM_ENV = "VLLM_DISABLE_SHARED_EXPERTS_STREAM"
 

@@ -21,6 +21,7 @@ from vllm_gguf_plugin.loader import GGUFModelLoader
 from glm5serve.errors import GGUFModelError
 from glm5serve.kernels import vllm_ops
 from glm5serve.synthetic import LOAD_FORMAT, SyntheticSource
+from glm5serve.vllm_plugin import check_parallel
 from glm5serve.vllm_plugin.weights import GlmDsaWeightsAdapter
 
 logger = init_logger(__name__)
@@ -95,10 +96,7 @@ def register_synthetic_loader() -> None:
 
 
 def _check_parallel(vllm_config, model_config) -> None:
-    """Pipeline and expert parallelism are not supported: experts load as whole 3-D tensors (no per-expert
-    placement) and every layer's tensors must reach this process (the completeness check)."""
+    """:func:`glm5serve.vllm_plugin.check_parallel` on vLLM's parallel config (no pipeline or expert parallelism)."""
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1 or getattr(pc, "enable_expert_parallel", False):
-        raise GGUFModelError("glm5serve loads GLM-5 GGUF with tensor parallelism only "
-                             "(no --pipeline-parallel-size > 1, no --enable-expert-parallel)",
-                             file=str(model_config.model_weights or model_config.model))
+    check_parallel(pc.pipeline_parallel_size, getattr(pc, "enable_expert_parallel", False),
+                   file=str(model_config.model_weights or model_config.model))

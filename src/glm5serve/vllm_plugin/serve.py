@@ -17,7 +17,7 @@ import sys
 from gguf import GGMLQuantizationType as Q
 
 from glm5serve.errors import GGUFModelError
-from glm5serve.vllm_plugin import require_gpus
+from glm5serve.vllm_plugin import check_parallel, require_gpus
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
@@ -68,15 +68,35 @@ def option(args: list[str], *names: str, default=None):
     return value
 
 
-def flag(args: list[str], name: str) -> bool:
-    """Whether a vLLM on/off option is on: the last of ``--name`` and ``--no-name`` wins (vLLM's
-    ``EnableDisableAction``), off when neither is given; underscores for dashes as vLLM allows."""
+def flag(args: list[str], name: str, *aliases: str) -> bool:
+    """Whether a vLLM on/off option is on: the last of ``--name`` (or an alias such as ``-ep``) and its negations
+    ``--no-name`` and, for ``--enable-X``, ``--disable-X`` wins (vLLM's ``EnableDisableAction``), off when none is
+    given; underscores for dashes as vLLM allows.
+
+    Raises GGUFModelError for an abbreviation of ``--name`` or a negation (argparse would take ``--enable-expert``;
+    glm5serve checks the flag first)."""
+    off = ("--no-" + name[2:], *(["--disable-" + name[9:]] if name.startswith("--enable-") else []))
     on = False
     for arg in args:
         a = _vllm_spelling(arg)
-        if a in (name, "--no-" + name[2:]):
-            on = a == name
+        if a in (name, *aliases, *off):
+            on = a not in off
+        elif a.startswith("--") and len(a) > 2 and any(n.startswith(a) for n in (name, *off)):
+            raise GGUFModelError(f"{arg}: write {name} in full (glm5serve checks it before vLLM)")
     return on
+
+
+def size_option(args: list[str], name: str, alias: str) -> int:
+    """A vLLM parallel size (``--name N`` or ``alias N``, as :func:`option` reads it), 1 when not given. Raises
+    GGUFModelError for a value that is not an integer >= 1."""
+    text = option(args, name, alias, default="1")
+    try:
+        n = int(text)
+    except ValueError:
+        raise GGUFModelError(f"{name} must be an integer, not {text!r}") from None
+    if n < 1:  # 0 would divide by zero in the checks, a negative size print negative memory
+        raise GGUFModelError(f"{name} must be >= 1, not {n}")
+    return n
 
 
 def attention_backend(index_topk: int, requested: str | None, capability: tuple[int, int] | None) -> str:
@@ -213,17 +233,17 @@ def vllm_command(path, vllm_args: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the settings, then replace this process with vLLM's server (``--dry-run``: print the command)."""
+    """Print the settings, then replace this process with vLLM's server (``--dry-run``: print the command).
+
+    Raises GGUFModelError, before anything starts, for what :func:`settings` refuses, a parallel size that is not an
+    integer >= 1, pipeline or expert parallelism (:func:`~glm5serve.vllm_plugin.check_parallel`) and too few GPUs."""
     dry_run = args.dry_run or "--dry-run" in args.vllm_args  # after MODEL, argparse leaves it to vLLM's args
     # glm5serve's own commands spell it --tp; vLLM refuses that spelling ("unrecognized arguments")
     vllm_args = [_TP_ALIAS.sub("--tensor-parallel-size", a) for a in args.vllm_args if a not in ("--", "--dry-run")]
-    tp_text = option(vllm_args, "--tensor-parallel-size", "-tp", default="1")
-    try:
-        tp = int(tp_text)
-    except ValueError:
-        raise GGUFModelError(f"--tensor-parallel-size must be an integer, not {tp_text!r}") from None
-    if tp < 1:  # 0 would divide by zero in the checks, a negative size print negative memory
-        raise GGUFModelError(f"--tensor-parallel-size must be >= 1, not {tp}")
+    tp = size_option(vllm_args, "--tensor-parallel-size", "-tp")
+    # the loader refuses these only once vLLM has taken the GPUs (data parallelism it takes: not refused here)
+    check_parallel(size_option(vllm_args, "--pipeline-parallel-size", "-pp"),
+                   flag(vllm_args, "--enable-expert-parallel", "-ep"), file=str(args.model))
     for label, value in settings(args.model, tp, vllm_args):
         print(f"{label:>18}: {value}")
     cmd = vllm_command(args.model, vllm_args)
