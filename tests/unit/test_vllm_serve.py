@@ -240,3 +240,60 @@ def test_the_loader_refuses_pipeline_and_expert_parallelism_in_the_same_words(ti
         assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
         assert capsys.readouterr().err.strip() == f"glm5serve serve: {e.value}"
     _check_parallel(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)), model_config)
+
+
+def test_options_in_a_config_file_are_read_as_vllm_reads_them(tiny_checkpoint, tmp_path, capsys):
+    """Tester finding: ``--config tp3.yaml`` holding ``tensor-parallel-size: 3`` was checked as TP=1 (and printed
+    TP 1), though vLLM serves at TP=3. vLLM puts the file's keys right after MODEL, so the command line wins."""
+    from glm5serve.synthetic import write_header
+
+    def config(name: str, text: str) -> str:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    tp3, tp2 = config("tp3.yaml", "tensor-parallel-size: 3\nport: 8001\n"), config("tp2.yml", "tensor_parallel_size: 2")
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", tp3]) == 2
+    assert "does not divide by TP=3" in capsys.readouterr().err
+    for args in (["--config", tp2], ["--config", tp3, "-tp", "2"], ["--tensor-parallel-size=2", "--config", tp3]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "tensor parallel: 2 " in out and out.rstrip().endswith(f"serve {tiny_checkpoint} {' '.join(args)}")
+    header = write_header(tmp_path / "h.gguf", "tiny")  # every option serve reads comes from the file too
+    assert main(["serve", str(header), "--dry-run", "--config", config("f.yaml", "load-format: glm5-synthetic")]) == 0
+    capsys.readouterr()
+    # pipeline and expert parallelism: refused naming the file they came from; switched off on the command line
+    for text, given in (("pipeline-parallel-size: 2", "--pipeline-parallel-size 2"),
+                        ("enable-expert-parallel: true", "--enable-expert-parallel")):
+        path = config("p.yaml", text)
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", path]) == 2
+        assert capsys.readouterr().err.startswith(f"glm5serve serve: {path}: glm5serve loads GLM-5 GGUF with tensor "
+                                                  f"parallelism only, not {given} (")
+    for args in (["-pp", "1"], ["--disable-expert-parallel"]):
+        path = config("p.yaml", "pipeline-parallel-size: 2" if args[0] == "-pp" else "enable_expert_parallel: true")
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", path, *args]) == 0
+    off = config("o.yaml", "enable-expert-parallel: false\npipeline-parallel-size: 1")
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", off]) == 0
+
+
+def test_a_config_file_vllm_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    def config(name: str, text: str) -> str:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    missing = str(tmp_path / "missing.yaml")
+    cases = [(["--config", missing], f"{missing}: --config: cannot read it: No such file or directory"),
+             (["--config", config("bad.yaml", "tensor-parallel-size: [3\n")], "bad.yaml: --config: not valid YAML: "),
+             (["--config", config("list.yaml", "- 3\n")], "list.yaml: --config: not a YAML mapping of vLLM options"),
+             (["--config", config("empty.yaml", "")], "empty.yaml: --config: not a YAML mapping of vLLM options"),
+             (["--config", config("c.json", "{}")], "c.json: --config must name a .yaml or .yml file"),
+             (["--config", config("t.yaml", "tensor-parallel-size: three")],
+              "t.yaml: --tensor-parallel-size must be an integer, not 'three'"),
+             (["--config=" + config("eq.yaml", "port: 1")], "write --config FILE, not --config=FILE: vLLM reads the "
+                                                             "file only in that spelling"),
+             (["--config", config("a.yaml", "port: 1"), "--config", config("b.yaml", "port: 2")],
+              "--config given twice"),
+             (["--config"], "--config needs a value")]
+    for args, want in cases:
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2, args
+        captured = capsys.readouterr()
+        assert want in captured.err and captured.err.count("\n") == 1 and not captured.out, (args, captured)

@@ -86,17 +86,61 @@ def flag(args: list[str], name: str, *aliases: str) -> bool:
     return on
 
 
-def size_option(args: list[str], name: str, alias: str) -> int:
+def size_option(args: list[str], name: str, alias: str, file: str | None = None) -> int:
     """A vLLM parallel size (``--name N`` or ``alias N``, as :func:`option` reads it), 1 when not given. Raises
-    GGUFModelError for a value that is not an integer >= 1."""
+    GGUFModelError (naming ``file``, where the value came from) for a value that is not an integer >= 1."""
     text = option(args, name, alias, default="1")
     try:
         n = int(text)
     except ValueError:
-        raise GGUFModelError(f"{name} must be an integer, not {text!r}") from None
+        raise GGUFModelError(f"{name} must be an integer, not {text!r}", file=file) from None
     if n < 1:  # 0 would divide by zero in the checks, a negative size print negative memory
-        raise GGUFModelError(f"{name} must be >= 1, not {n}")
+        raise GGUFModelError(f"{name} must be >= 1, not {n}", file=file)
     return n
+
+
+def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
+    """``args`` (what follows MODEL) as vLLM reads them, with the options of a ``--config FILE``, and FILE (None
+    without one).
+
+    vLLM 0.33's ``FlexibleArgumentParser`` (``_pull_args_from_config``, ``load_config_file``) reads a YAML mapping
+    from FILE and puts its keys, as options, right after MODEL: ``key: value`` -> ``--key value``, ``true`` ->
+    ``--key``, ``false`` -> ``--no-key``, a list -> ``--key item ...``, a mapping -> ``--key JSON``; the command
+    line's options come after them, so one given there wins. Raises GGUFModelError naming FILE
+    for one vLLM fails on (not ``.yaml``/``.yml``, unreadable, not a YAML mapping), for ``--config`` twice or
+    without a value, and for ``--config=FILE``, which vLLM takes but never reads."""
+    import json
+
+    import yaml  # a vLLM (and transformers) dependency
+
+    if any(_vllm_spelling(a).startswith("--config=") for a in args):
+        raise GGUFModelError("write --config FILE, not --config=FILE: vLLM reads the file only in that spelling")
+    path = option(args, "--config")
+    if path is None:
+        return args, None
+    if args.count("--config") > 1:
+        raise GGUFModelError("--config given twice: vLLM reads one config file")
+    if path.rpartition(".")[2] not in ("yaml", "yml"):
+        raise GGUFModelError("--config must name a .yaml or .yml file (vLLM reads no other)", file=path)
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        raise GGUFModelError(f"--config: cannot read it: {e.strerror}", file=path) from None
+    except yaml.YAMLError as e:
+        raise GGUFModelError(f"--config: not valid YAML: {e}", file=path) from None
+    if not isinstance(config, dict):
+        raise GGUFModelError("--config: not a YAML mapping of vLLM options (key: value lines)", file=path)
+    front: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            front.append(f"--{key}" if value else f"--no-{key}")
+        elif isinstance(value, list):
+            front += [f"--{key}", *map(str, value)] if value else []
+        else:
+            front += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    i = args.index("--config")
+    return front + args[:i] + args[i + 2:], path
 
 
 def attention_backend(index_topk: int, requested: str | None, capability: tuple[int, int] | None) -> str:
@@ -235,16 +279,25 @@ def vllm_command(path, vllm_args: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Print the settings, then replace this process with vLLM's server (``--dry-run``: print the command).
 
-    Raises GGUFModelError, before anything starts, for what :func:`settings` refuses, a parallel size that is not an
-    integer >= 1, pipeline or expert parallelism (:func:`~glm5serve.vllm_plugin.check_parallel`) and too few GPUs."""
+    The options are read as vLLM reads them, a ``--config`` file's included (:func:`with_config_file`). Raises
+    GGUFModelError, before anything starts, for what :func:`settings` or :func:`with_config_file` refuses, a
+    parallel size that is not an integer >= 1, pipeline or expert parallelism
+    (:func:`~glm5serve.vllm_plugin.check_parallel`) and too few GPUs."""
     dry_run = args.dry_run or "--dry-run" in args.vllm_args  # after MODEL, argparse leaves it to vLLM's args
     # glm5serve's own commands spell it --tp; vLLM refuses that spelling ("unrecognized arguments")
     vllm_args = [_TP_ALIAS.sub("--tensor-parallel-size", a) for a in args.vllm_args if a not in ("--", "--dry-run")]
-    tp = size_option(vllm_args, "--tensor-parallel-size", "-tp")
+    view, config = with_config_file(vllm_args)  # what vLLM reads: vllm_args still go to vLLM as they are
+
+    def source(*names: str) -> str | None:  # the --config file, where it and not the command line gives `names`
+        return None if any(_vllm_spelling(a).partition("=")[0] in names for a in vllm_args) else config
+
+    tp = size_option(view, "--tensor-parallel-size", "-tp", source("--tensor-parallel-size", "-tp"))
+    pp = size_option(view, "--pipeline-parallel-size", "-pp", source("--pipeline-parallel-size", "-pp"))
     # the loader refuses these only once vLLM has taken the GPUs (data parallelism it takes: not refused here)
-    check_parallel(size_option(vllm_args, "--pipeline-parallel-size", "-pp"),
-                   flag(vllm_args, "--enable-expert-parallel", "-ep"), file=str(args.model))
-    for label, value in settings(args.model, tp, vllm_args):
+    check_parallel(pp, flag(view, "--enable-expert-parallel", "-ep"), file=source(
+        "--pipeline-parallel-size", "-pp", "--enable-expert-parallel", "-ep", "--disable-expert-parallel",
+        "--no-enable-expert-parallel") or str(args.model))
+    for label, value in settings(args.model, tp, view):
         print(f"{label:>18}: {value}")
     cmd = vllm_command(args.model, vllm_args)
     print(f"{'vLLM':>18}: {shlex.join(cmd)}", flush=True)  # quoted: a path with spaces pastes into a shell
