@@ -43,6 +43,8 @@ from typing import Callable
 from glm5serve.errors import GGUFModelError
 
 DEFAULT_CONCURRENCY = (1, 8, 64, 256)
+#: bench's --max-model-len unless the GGUF's context length is shorter (the tiny preset's is 512)
+DEFAULT_MAX_MODEL_LEN = 1024
 MODES = ("eager", "graphs")
 #: worker steps between ``start_profile`` and the first profiled step: the prefill step and two decode steps
 PROFILE_DELAY = 3
@@ -528,7 +530,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--modes", type=_modes, default=list(MODES), help="eager,graphs (default both)")
     p.add_argument("--graphs-mode", choices=("default", "nocompile"), default="default",
                    help="graphs: vLLM's default compilation, or CUDA graphs without torch.compile")
-    p.add_argument("--max-model-len", type=int, default=1024, help="vLLM --max-model-len (default 1024)")
+    p.add_argument("--max-model-len", type=int, help=f"vLLM --max-model-len (default {DEFAULT_MAX_MODEL_LEN}, or "
+                   "the GGUF's context_length if shorter)")
     p.add_argument("--repeats", type=int, default=2, help="timed batches per measurement, median taken (default 2)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vLLM --gpu-memory-utilization (default 0.85)")
@@ -628,15 +631,27 @@ def _check_together(paths: list, records: list[dict]) -> None:
         raise GGUFModelError("no step time in any of the records: nothing to project", file=str(paths[0]))
 
 
-def _check_runnable(args) -> None:
+def _check_runnable(args) -> int:
     """Refuse up front what would only fail inside vLLM: what ``serve`` refuses before it starts vLLM (a file
-    ``verify --tp`` rejects, a synthetic header without ``--load-format glm5-synthetic``, real weights with it:
-    :func:`glm5serve.vllm_plugin.serve.preflight`), and no CUDA GPU (or fewer than ``--tp``)."""
+    ``verify --tp`` rejects, a synthetic header without ``--load-format glm5-synthetic``, real weights with it, a
+    ``--max-model-len`` above the GGUF's context length: :func:`glm5serve.vllm_plugin.serve.preflight`), a default
+    max model length too short for ``--input-len + --output-len``, and no CUDA GPU (or fewer than ``--tp``).
+
+    Returns the max model length to run: ``--max-model-len``, else :data:`DEFAULT_MAX_MODEL_LEN` or the GGUF's
+    context length if shorter."""
     from glm5serve.vllm_plugin import require_gpus
     from glm5serve.vllm_plugin.serve import preflight
 
-    preflight(args.model, args.tp, args.load_format, chat_template=False)  # bench sends token ids, no chat
+    # bench sends token ids, no chat
+    _, cfg = preflight(args.model, args.tp, args.load_format, chat_template=False, max_model_len=args.max_model_len)
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
+    if args.input_len + args.output_len > max_model_len:  # a given --max-model-len was checked already
+        raise GGUFModelError(f"--input-len + --output-len ({args.input_len + args.output_len}) must be <= "
+                             f"{max_model_len}, the default --max-model-len (the smaller of {DEFAULT_MAX_MODEL_LEN} and the "
+                             f"GGUF's context_length {cfg.max_position_embeddings})",
+                             file=str(args.model))
     require_gpus(args.tp)
+    return max_model_len
 
 
 def _write_json(path, rec: dict) -> None:
@@ -666,14 +681,14 @@ def _run(args) -> int:
                                    ("--tp", args.tp, 1), ("--repeats", args.repeats, 1),
                                    ("--profile-steps", args.profile_steps, 1),
                                    ("--max-model-len", args.max_model_len, args.input_len + args.output_len)):
-            if value < least:
+            if value is not None and value < least:  # --max-model-len None: the default, checked once the GGUF is read
                 raise GGUFModelError(f"{name} must be >= {least}, not {value}"
                                      + (" (--input-len + --output-len)" if name == "--max-model-len" else ""))
         if not 0 < args.gpu_memory_utilization <= 1:
             raise GGUFModelError(f"--gpu-memory-utilization must be in (0, 1], not {args.gpu_memory_utilization}")
         if not 0 < args.timeout < math.inf:
             raise GGUFModelError(f"--timeout must be a positive number of seconds, not {args.timeout}")
-        _check_runnable(args)
+        args.max_model_len = _check_runnable(args)
         out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
                     load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,
                     output_len=args.output_len, max_model_len=args.max_model_len, repeats=args.repeats,

@@ -304,6 +304,40 @@ def test_projection_command_prints_and_writes_a_labelled_projection(tmp_path, ca
     assert json.loads(out.read_text())["label"] == "projection (not a measurement)"
 
 
+def test_bench_max_model_len_defaults_to_what_the_gguf_holds(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Tester finding: the default --max-model-len 1024 passed the checks on the tiny checkpoint (context_length
+    512) and would only fail inside vLLM ("User-specified max_model_len (1024) is greater than the derived
+    max_model_len"). The default is 1024 or the GGUF's context length if shorter; a longer one given is refused
+    naming both numbers, as serve refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as vLLM allows)."""
+    import glm5serve.vllm_plugin as plugin
+    from glm5serve.synthetic import write_header
+
+    ran = []
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    monkeypatch.setattr(plugin, "require_gpus", lambda tp: None)  # as on a GPU host
+    monkeypatch.setattr(bench, "bench", lambda model, **kw: ran.append(kw["max_model_len"]) or {"runs": []})
+    monkeypatch.setattr(bench, "format_record", lambda rec: "")
+    tiny_header, narrow_header = write_header(tmp_path / "t.gguf", "tiny"), write_header(tmp_path / "n.gguf", "narrow")
+    synthetic = ["--load-format", "glm5-synthetic"]
+    for args, runs in (([tiny_checkpoint], 512), ([tiny_header, *synthetic], 512), ([narrow_header, *synthetic], 1024),
+                       ([tiny_checkpoint, "--max-model-len", "400"], 400),
+                       ([narrow_header, *synthetic, "--max-model-len", "8192"], 8192)):
+        assert main(["bench", *map(str, args)]) == 0, capsys.readouterr().err
+        assert ran.pop() == runs, args
+    for args, want in (([tiny_checkpoint, "--max-model-len", "1024"], f"{tiny_checkpoint}: --max-model-len 1024 is "
+                        "above the GGUF's context_length 512 (vLLM's max_position_embeddings; vLLM refuses it unless "
+                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"),
+                       ([tiny_header, *synthetic, "--input-len", "400", "--output-len", "200"],
+                        f"{tiny_header}: --input-len + --output-len (600) must be <= 512, the default --max-model-len "
+                        "(the smaller of 1024 and the GGUF's context_length 512)")):
+        assert main(["bench", *map(str, args)]) == 2
+        assert capsys.readouterr().err.strip() == f"glm5serve bench: {want}"
+    assert not ran
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert main(["bench", str(tiny_checkpoint), "--max-model-len", "1024"]) == 0
+    assert ran == [1024]
+
+
 def test_bench_command_errors_are_one_line(tmp_path, capsys):
     assert main(["bench"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0

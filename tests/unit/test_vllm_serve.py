@@ -297,3 +297,31 @@ def test_a_config_file_vllm_cannot_use_is_refused_in_one_line(tiny_checkpoint, t
         assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2, args
         captured = capsys.readouterr()
         assert want in captured.err and captured.err.count("\n") == 1 and not captured.out, (args, captured)
+
+
+def test_a_max_model_len_above_the_context_length_is_refused(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """vLLM refuses ``--max-model-len`` above the model's max_position_embeddings (the GGUF's context_length, 512
+    for the tiny preset) with a traceback, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; serve passed it. vLLM's
+    spellings: 1k = 1000, 1K = 1024, -1 or auto = what fits in memory."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    (tmp_path / "long.yaml").write_text("max-model-len: 2048")
+    for args, n in ((["--max-model-len", "1024"], 1024), (["--max_model_len=1k"], 1000), (["--max-model-len", "1K"],
+                    1024), (["--config", str(tmp_path / "long.yaml")], 2048)):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip() == (f"glm5serve serve: {tiny_checkpoint}: --max-model-len {n} is above the GGUF's "
+                                        "context_length 512 (vLLM's max_position_embeddings; vLLM refuses it unless "
+                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)") and not captured.out, captured
+    for args, shown in (([], "512 (the GGUF's context_length; --max-model-len to lower it)"),
+                        (["--max-model-len", "0.5k"], "500 (--max-model-len; the GGUF's context_length is 512)"),
+                        (["--max-model-len", "-1"], "auto (what fits in GPU memory, at most the GGUF's context_length "
+                                                    "512)"), (["--max-model-len=auto"], "auto (")):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", *args]) == 0
+        assert f"max model len: {shown}" in capsys.readouterr().out
+    for bad in ("abc", "1.5K", "0", "-2"):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", f"--max-model-len={bad}"]) == 2
+        assert capsys.readouterr().err.strip() == ("glm5serve serve: --max-model-len must be a number of tokens "
+                                                   f"(4096, 4k, 4K) or auto, not {bad!r}")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "true")  # vLLM then takes it (with a warning)
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--max-model-len", "1024"]) == 0
+    assert "max model len: 1024 (--max-model-len; the GGUF's context_length is 512)" in capsys.readouterr().out

@@ -99,6 +99,30 @@ def size_option(args: list[str], name: str, alias: str, file: str | None = None)
     return n
 
 
+#: vLLM's ``human_readable_int`` suffixes: lower case decimal, upper case binary
+_SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def max_model_len_option(args: list[str]) -> int | None:
+    """``--max-model-len`` in tokens as vLLM reads it (``human_readable_int_or_auto``: ``4096``, ``4k`` = 4000,
+    ``4K`` = 4096; ``-1`` or ``auto``, returned as -1: what fits in GPU memory), None when not given. Raises
+    GGUFModelError for another value."""
+    text = option(args, "--max-model-len")
+    if text is None:
+        return None
+    t = text.strip()
+    if t == "-1" or t.lower() == "auto":
+        return -1
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", t)
+    try:  # int() refuses a decimal before a binary suffix, as vLLM does
+        n = (int(float(m[1]) * _SCALE[m[2]]) if m[2].islower() else int(m[1]) * _SCALE[m[2]]) if m else int(t)
+    except ValueError:
+        n = 0  # not a length: refused below
+    if n < 1:
+        raise GGUFModelError(f"--max-model-len must be a number of tokens (4096, 4k, 4K) or auto, not {text!r}")
+    return n
+
+
 def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
     """``args`` (what follows MODEL) as vLLM reads them, with the options of a ``--config FILE``, and FILE (None
     without one).
@@ -207,12 +231,14 @@ def kernel_settings() -> str:
             "linear weights as split rows)")
 
 
-def preflight(path, tp: int, load_format: str = "auto", chat_template: bool = True, tokenizer: bool = True):
+def preflight(path, tp: int, load_format: str = "auto", chat_template: bool = True, tokenizer: bool = True,
+              max_model_len: int | None = None):
     """The checks ``serve`` and ``bench`` make before vLLM starts: ``glm5serve verify --tp``'s open, metadata,
     tokenizer (if ``tokenizer``; with the GGUF's chat template if ``chat_template`` too), tensor, type and TP checks
-    (not the finite-values check: it reads every weight), and that the data fits ``load_format``
-    (:func:`glm5serve.synthetic.check_load_format`). Returns ``(GGUFModel, config)``; raises GGUFModelError with
-    verify's message."""
+    (not the finite-values check: it reads every weight), that the data fits ``load_format``
+    (:func:`glm5serve.synthetic.check_load_format`) and that ``max_model_len`` (tokens; None or -1: vLLM's choice)
+    is at most the GGUF's ``context_length``, as vLLM requires unless ``$VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is 1 or
+    true. Returns ``(GGUFModel, config)``; raises GGUFModelError with verify's message, or naming both lengths."""
     from glm5serve import verify
     from glm5serve.synthetic import check_load_format
 
@@ -222,6 +248,12 @@ def preflight(path, tp: int, load_format: str = "auto", chat_template: bool = Tr
     ctx = verify.require(path, (verify.check_open, verify.check_metadata, *([check_tokenizer] if tokenizer else []),
                                 verify.check_tensors, verify.check_types, verify.check_tp), tp)
     check_load_format(ctx.model, load_format)
+    context = ctx.cfg.max_position_embeddings
+    allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")  # vLLM's test
+    if max_model_len is not None and max_model_len > context and not allow_long:
+        raise GGUFModelError(f"--max-model-len {max_model_len} is above the GGUF's context_length {context} (vLLM's "
+                             "max_position_embeddings; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
+                             file=str(path))
     return ctx.model, ctx.cfg
 
 
@@ -231,15 +263,19 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
     Raises GGUFModelError for a file that ``glm5serve verify --tp``'s open, metadata, tokenizer, tensor, type or TP
     check rejects (with verify's message; the finite-values check is not run: it reads every weight; vLLM builds its
     tokenizer from the GGUF), or whose data does not fit
-    ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`), and for a bad kernel setting
-    (:func:`kernel_settings`).
+    ``--load-format`` (:func:`glm5serve.synthetic.check_load_format`), for a ``--max-model-len`` that is not a
+    length or is above the GGUF's context length (:func:`max_model_len_option`, :func:`preflight`), and for a bad
+    kernel setting (:func:`kernel_settings`).
     """
     kernels = kernel_settings()
     # vLLM's --tokenizer brings its own tokenizer and template (--skip-tokenizer-init uses none), --chat-template its
     # own template: the file's are then never built or rendered
     own_tokenizer = option(vllm_args, "--tokenizer") is not None or flag(vllm_args, "--skip-tokenizer-init")
+    max_len = max_model_len_option(vllm_args)
     model, cfg = preflight(path, tp, option(vllm_args, "--load-format", default="auto"), tokenizer=not own_tokenizer,
-                           chat_template=not own_tokenizer and option(vllm_args, "--chat-template") is None)
+                           chat_template=not own_tokenizer and option(vllm_args, "--chat-template") is None,
+                           max_model_len=max_len)
+    context = cfg.max_position_embeddings
     types: dict[str, int] = {}
     for t in model:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + t.n_bytes
@@ -257,6 +293,9 @@ def settings(path, tp: int, vllm_args: list[str]) -> list[tuple[str, str]]:
         ("architecture", f"glm-dsa: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
                          f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, index_topk {cfg.index_topk}"),
         ("tensor parallel", f"{tp} (checked: heads, intermediate sizes and quant blocks divide)"),
+        ("max model len", f"{context} (the GGUF's context_length; --max-model-len to lower it)" if max_len is None
+         else f"auto (what fits in GPU memory, at most the GGUF's context_length {context})" if max_len == -1
+         else f"{max_len} (--max-model-len; the GGUF's context_length is {context})"),
         ("attention backend", attention_backend(cfg.index_topk, option(vllm_args, "--attention-backend"),
                                                 capability)),
         ("GGUF kernels", kernels),
