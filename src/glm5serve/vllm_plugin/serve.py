@@ -3,8 +3,10 @@
 A thin wrapper: every argument after MODEL goes to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` unchanged
 (the same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
 load). Before handing over it runs ``glm5serve verify --tp``'s metadata, tokenizer, tensor, type and TP checks (not
-its finite-values check, which reads every weight) and prints the tensor-parallel size, the attention backend vLLM
-will pick, the quant types and an estimate of the weight memory per GPU.
+its finite-values check, which reads every weight), refuses what would fail only once vLLM has started (pipeline or
+expert parallelism, a ``--max-model-len`` above the GGUF's context length), reading the options as vLLM does, a
+``--config`` file's included, and prints the tensor-parallel size, the max model length, the attention backend
+vLLM will pick, the quant types and an estimate of the weight memory per GPU.
 """
 from __future__ import annotations
 
