@@ -67,7 +67,8 @@ def decode_stats(concurrency: int, output_len: int, ttft_s: float, e2e_s: float)
 KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple((g, re.compile(p, re.I)) for g, p in (
     ("allreduce", r"nccl|all_?reduce|all_?gather|reduce_?scatter|cross_device|one_?shot|two_?shot|multimem|"
                   r"custom_?ar"),
-    ("moe", r"moe|expert|grouped_(gate_up|down)|grouped_?topk|topk_?gating|topk_?sigmoid|topk_?softmax|noaux|align_block|count_and_sort"),
+    ("moe", r"moe|expert|grouped_(gate_up|down)|grouped_?topk|topk_?gating|topk_?sigmoid|topk_?softmax|noaux|"
+            r"align_block|count_and_sort"),
     ("attention", r"mla|attn|attention|flash|fmha|sparse|indexer|mqa|top_?k_per_row|cache|rotary|rope"),
     ("gemm", r"gemm|gemv|matmul|mul_mat|cutlass|xmma|cublas|nvjet|wgmma|splitk|dequant"),
 ))
@@ -647,9 +648,8 @@ def _check_runnable(args) -> int:
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
     if args.input_len + args.output_len > max_model_len:  # a given --max-model-len was checked already
         raise GGUFModelError(f"--input-len + --output-len ({args.input_len + args.output_len}) must be <= "
-                             f"{max_model_len}, the default --max-model-len (the smaller of {DEFAULT_MAX_MODEL_LEN} and the "
-                             f"GGUF's context_length {cfg.max_position_embeddings})",
-                             file=str(args.model))
+                             f"{max_model_len}, the default --max-model-len (the smaller of {DEFAULT_MAX_MODEL_LEN} "
+                             f"and the GGUF's context_length {cfg.max_position_embeddings})", file=str(args.model))
     require_gpus(args.tp)
     return max_model_len
 
