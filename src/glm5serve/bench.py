@@ -608,17 +608,17 @@ _SHARED = ("input_len", "output_len", "max_model_len", "graphs_mode", "load_form
 
 
 def _check_together(paths: list, records: list[dict]) -> None:
-    """Refuse, in one line naming the file, a projection's records that do not belong together: a file listed twice
-    (it would count twice in the fits), records of another workload, model or GPU (a field of :data:`_SHARED` or a
+    """Refuse, in one line naming the file, a projection's records that do not belong together: a record listed
+    twice (it would count twice in the fits; by any name: a link or a copy holds the same record), records of another workload, model or GPU (a field of :data:`_SHARED` or a
     run's ``gpu`` that differs from the first record stating it), or records that together hold no step time (one
     without results beside others that have them is taken: it adds no point to the fits)."""
-    seen: dict[Path, str] = {}
-    for path in paths:
-        real = Path(path).resolve()
-        if real in seen:
-            raise GGUFModelError(f"listed twice (also as {seen[real]}): it would count twice in the fits",
+    seen: dict[str, str] = {}
+    for path, rec in zip(paths, records):
+        same = json.dumps(rec, sort_keys=True)  # the record, not the path: a link or a copy is the same file here
+        if same in seen:
+            raise GGUFModelError(f"listed twice (also as {seen[same]}): it would count twice in the fits",
                                  file=str(path))
-        seen[real] = str(path)
+        seen[same] = str(path)
     first: dict[str, tuple] = {}
     for path, rec in zip(paths, records):
         facts = {k: rec[k] for k in _SHARED if k in rec}

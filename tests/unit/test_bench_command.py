@@ -506,6 +506,12 @@ def test_projection_refuses_records_that_do_not_belong_together(tmp_path, capsys
               "gpu 'NVIDIA B200' differs from 'NVIDIA H200'"),
              ([write("e.json", _set(base(8, 1), "runs", [])), write("f.json", _set(base(4, 1), "runs.0.results", []))],
               "no step time in any of the records: nothing to project")]
+    # the same file under another name (fresh-user finding: a hard link passed, counted twice in the fits)
+    hard, copy = tmp_path / "a_hard.json", tmp_path / "a_copy.json"
+    os.link(a, hard)
+    copy.write_text(Path(a).read_text())
+    cases += [([a, str(hard), b], f"{hard}: listed twice (also as {a})"),
+              ([str(copy), b, a], f"{a}: listed twice (also as {copy})")]
     for files, message in cases:
         assert main(["bench", "--projection", *files]) == 2, files
         err = capsys.readouterr().err
