@@ -225,6 +225,8 @@ def _open_reader(path: Path) -> GGUFReader:
                                  file=str(path)) from None
         if "GGMLQuantizationType" in msg:
             raise GGUFModelError(f"unknown ggml tensor type ({msg})", file=str(path)) from None
+        if "alignment" in msg:  # a value, not a cut-off: "Invalid alignment: must be a non-zero power of two"
+            raise GGUFModelError(f"bad general.alignment (gguf-py: {msg})", file=str(path)) from None
         if "reshape" in msg:  # tensor data cut off (the size check in _Reader should catch it first)
             raise GGUFModelError("truncated file: tensor data runs past the end of the file", file=str(path)) from None
         reason = " ".join(msg.split())[:120] or type(e).__name__

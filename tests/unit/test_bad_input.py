@@ -570,6 +570,21 @@ def test_custom_alignment_is_read(alignment, tiny_checkpoint, tmp_path, gguf_rew
     assert torch.equal(ReferenceModel.from_gguf(path).forward(ids), original)
 
 
+@pytest.mark.parametrize("alignment", [48, 3])
+def test_an_alignment_that_is_no_power_of_two_is_named(alignment, tiny_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """ggml and gguf-py want a non-zero power of two; the file is otherwise whole, so the line names the key and
+    not a 'header truncated or corrupt' (fresh-user finding)."""
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / f"align{alignment}.gguf", alignment=64)  # gguf-py writes no 48
+    data = bytearray(path.read_bytes())
+    at = data.index(b"general.alignment") + len(b"general.alignment") + 4  # after the key: UINT32 type, value
+    assert struct.unpack_from("<I", data, at) == (64,)
+    struct.pack_into("<I", data, at, alignment)
+    path.write_bytes(data)
+    line = _one_line(["inspect", str(path)], capsys, path.name,
+                     "bad general.alignment (gguf-py: Invalid alignment: must be a non-zero power of two)")
+    assert "truncated" not in line
+
+
 @pytest.mark.parametrize("key,value,words", [
     ("glm-dsa.attention.layer_norm_rms_epsilon", -1.0, "is not a positive finite number"),
     ("glm-dsa.attention.layer_norm_rms_epsilon", float("nan"), "is not a positive finite number"),
