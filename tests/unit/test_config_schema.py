@@ -159,6 +159,34 @@ def test_rope_scaling_by_one_is_plain_rope(keys):
     assert config_from_metadata(_md(**keys)).rope_parameters["rope_type"] == "default"
 
 
+@pytest.mark.parametrize("keys", [{"glm-dsa.rope.scaling.attn_factor": 2.0},
+                                  {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scaling.attn_factor": 0.5},
+                                  {"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 1.0,
+                                   "glm-dsa.rope.scaling.attn_factor": 0.0}])
+def test_rope_attn_factor_is_refused_not_ignored(keys):
+    """llama.cpp multiplies its ``yarn_attn_factor`` by ``rope.scaling.attn_factor`` whatever the scaling type (the
+    rotated queries and keys and glm-dsa's ``kq_scale`` grow with it: logits up to 48 apart at 2.0 on the tiny
+    file); the config dropped it, so it passed verify and every engine here ran without it. Refused, naming it."""
+    with pytest.raises(GGUFModelError, match=r"glm-dsa\.rope\.scaling\.attn_factor=[0-9.]+: llama\.cpp scales"):
+        config_from_metadata(_md(**keys))
+
+
+@pytest.mark.parametrize("keys", [{"glm-dsa.rope.scaling.attn_factor": 1.0},
+                                  {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scaling.factor": 8.0},
+                                  {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scale_linear": 4.0}])
+def test_rope_scaling_llama_cpp_does_not_apply_is_accepted(keys):
+    """An attn_factor of 1 scales nothing; with ``rope.scaling.type`` ``none`` llama.cpp sets ``freq_scale = 1``
+    whatever the factor ("never scale if scaling type is none"): plain RoPE, as the engines here run it. It was
+    refused as 'RoPE scaling (none) is not supported ... would run plain RoPE'."""
+    assert config_from_metadata(_md(**keys)).rope_parameters["rope_type"] == "default"
+
+
+def test_rope_factor_of_the_wrong_type_is_refused_even_without_scaling():
+    """llama.cpp reads ``rope.scaling.factor`` as a float whatever the type (``none`` included)."""
+    with pytest.raises(GGUFModelError, match=r"rope\.scaling\.factor is 'x', expected a number"):
+        config_from_metadata(_md(**{"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scaling.factor": "x"}))
+
+
 def test_missing_gating_func_means_sigmoid():
     cfg = config_from_metadata(_md(**{"glm-dsa.expert_gating_func": None}))
     assert cfg.scoring_func == "sigmoid"
