@@ -93,7 +93,8 @@ def gemma3_gguf() -> Path:
 def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, replace=None, drop_keys=(),
             set_keys=None, alignment: int | None = None, reshape=None) -> Path:
     """Copy a single-file GGUF through gguf-py, dropping/adding/replacing tensors (name -> (array, raw_dtype))
-    and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type); ``alignment``
+    and metadata keys (``set_keys``: key -> value, or (value, GGUFValueType) to store another type; a key the file
+    lacks is added, with its type given); ``alignment``
     writes ``general.alignment`` and pads the tensor data to it; ``reshape`` (name -> numpy shape, same number of
     values and row length) stores a tensor's data with another shape, e.g. ``(1, *shape)`` for an extra ne of 1."""
     import numpy as np
@@ -114,6 +115,10 @@ def rewrite(src: Path, dst: Path, *, arch: str = "glm-dsa", drop=(), add=None, r
         if isinstance(value, tuple):
             (value, vtype), sub = value, None
         w.add_key_value(key, value, vtype, sub_type=sub)
+    for key, value in set_keys.items():
+        if key not in r.fields:  # added: its type cannot be taken from the file
+            assert isinstance(value, tuple), f"{key} is not in {src.name}: give (value, GGUFValueType) to add it"
+            w.add_key_value(key, *value)
     for t in r.tensors:
         if t.name in drop:
             continue

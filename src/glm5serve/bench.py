@@ -609,9 +609,10 @@ _SHARED = ("input_len", "output_len", "max_model_len", "graphs_mode", "load_form
 
 def _check_together(paths: list, records: list[dict]) -> None:
     """Refuse, in one line naming the file, a projection's records that do not belong together: a record listed
-    twice (it would count twice in the fits; by any name: a link or a copy holds the same record), records of another workload, model or GPU (a field of :data:`_SHARED` or a
-    run's ``gpu`` that differs from the first record stating it), or records that together hold no step time (one
-    without results beside others that have them is taken: it adds no point to the fits)."""
+    twice (it would count twice in the fits; by any name: a link or a copy holds the same record), records of
+    another workload, model or GPU (a field of :data:`_SHARED` or a run's ``gpu`` that differs from the first record
+    stating it), or records that together hold no step time (one without results beside others that have them is
+    taken: it adds no point to the fits)."""
     seen: dict[str, str] = {}
     for path, rec in zip(paths, records):
         same = json.dumps(rec, sort_keys=True)  # the record, not the path: a link or a copy is the same file here

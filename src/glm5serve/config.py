@@ -154,8 +154,9 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     as ``num_nextn_predict_layers``. Optional keys default as llama.cpp's glm-dsa loader reads them: no
     ``expert_gating_func`` is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
     ``expert_weights_scale`` is 1, no ``attention.indexer.types`` is every layer ``full`` unless ``context_length``
-    is 1M or more (GLM-5.2: :func:`glm52_indexer_types`), and one boolean or integer there (not an array) applies
-    to every layer, as llama.cpp's ``get_key_or_arr`` reads it; ``expert_shared_count`` is required, as there.
+    is 1M or more (GLM-5.2: :func:`glm52_indexer_types`), and one integer there (not an array) applies to every
+    layer, as llama.cpp's ``get_key_or_arr`` reads a UINT32 (a boolean too, which llama.cpp refuses as a scalar:
+    its meaning is plain); ``expert_shared_count`` is required, as there.
     Extra attributes vLLM's DeepSeek-V3.2/GLM-5 code reads are set: ``topk_method="noaux_tc"`` (it creates
     ``e_score_correction_bias`` only then), ``scoring_func``, ``rope_interleave`` and ``indexer_rope_interleave``
     (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
@@ -221,7 +222,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
                              file=path)
     vocab = opt("vocab_size", len(tokens) if tokens is not None else 0)
     if vocab <= 0:
-        raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size", file=path)
+        raise GGUFModelError(f"neither {ARCH}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size",
+                             file=path)
     # before transformers, which only warns about an id past the vocabulary; vLLM refuses one, and eot/eom are stop ids
     ids = {role: token_id(role) for role in ("bos", "eos", "padding", "unknown", "eot", "eom")}
     bad = [f"tokenizer.ggml.{role}_token_id={i} is not a token id (vocabulary of {vocab})"

@@ -302,32 +302,8 @@ def test_llama_cpp_reads_one_indexer_type_as_every_layers(tiny_f32_checkpoint, t
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
-def _with_keys(src, dst, keys: dict):
-    """``src`` copied through gguf-py with metadata ``keys`` (key -> (value, GGUFValueType)) added or replaced
-    (``rewrite``'s ``set_keys`` replaces only keys the file already holds)."""
-    from gguf import GGUFValueType, GGUFWriter
-
-    r, w, keys = GGUFReader(src), GGUFWriter(dst, "glm-dsa"), dict(keys)
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key in keys:
-            w.add_key_value(key, *keys.pop(key))
-        else:
-            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for key, (value, vtype) in keys.items():
-        w.add_key_value(key, value, vtype)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
-def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_checkpoint, tmp_path, subprocess_json):
+def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_checkpoint, tmp_path, gguf_rewrite,
+                                                                    subprocess_json):
     """llama.cpp's logits tell which RoPE keys change the model: ``rope.scaling.type`` ``none`` with a factor of 8
     computes the logits of the plain file (llama_context: "never scale if scaling type is none"), and glm5serve
     accepts it; ``rope.scaling.attn_factor`` 2 changes them (it scales the rotated queries and keys), and glm5serve
@@ -335,10 +311,12 @@ def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_che
     pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
     from gguf import GGUFValueType as T
 
-    none8 = _with_keys(tiny_f32_checkpoint, tmp_path / "none8.gguf", {"glm-dsa.rope.scaling.type": ("none", T.STRING),
-                                                                      "glm-dsa.rope.scaling.factor": (8.0, T.FLOAT32)})
-    attn2 = _with_keys(tiny_f32_checkpoint, tmp_path / "attn2.gguf",
-                       {"glm-dsa.rope.scaling.attn_factor": (2.0, T.FLOAT32)})
+    none8 = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "none8.gguf", set_keys={
+        "glm-dsa.rope.scaling.type": ("none", T.STRING), "glm-dsa.rope.scaling.factor": (8.0, T.FLOAT32)})
+    attn2 = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "attn2.gguf",
+                         set_keys={"glm-dsa.rope.scaling.attn_factor": (2.0, T.FLOAT32)})
+    assert GGUFModel(none8).get(".rope.scaling.factor") == 8.0
+    assert GGUFModel(attn2).get(".rope.scaling.attn_factor") == 2.0
     prompts = _prompts(tokenizer_from_gguf(tiny_f32_checkpoint), 1, 40)
     plain, got_none8, got_attn2 = (np.asarray(subprocess_json(LLAMA_LOGITS, {"model": str(p), "prompts": prompts}))
                                    for p in (tiny_f32_checkpoint, none8, attn2))

@@ -69,8 +69,9 @@ def test_indexer_types_names_are_checked_as_the_booleans_are():
 
 @pytest.mark.parametrize("value", [True, 1, np.uint32(2)])
 def test_one_indexer_type_applies_to_every_layer(value):
-    """A single value instead of an array is every layer's, as llama.cpp's ``get_key_or_arr`` reads it (its
-    ``result[i] = value`` for each layer); it was refused as "not an array"."""
+    """A single value instead of an array is every layer's, as llama.cpp's ``get_key_or_arr`` reads a UINT32 (its
+    ``result[i] = value`` for each layer; a scalar BOOL it refuses, glm5serve reads as the boolean it is); it was
+    refused as "not an array"."""
     assert config_from_metadata(_md(**{"glm-dsa.attention.indexer.types": value})).indexer_types == ["full"] * 3
 
 
