@@ -72,8 +72,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("softmax-gating-vllm", "14", "the config tells vLLM to score experts with softmax",
           "src/glm5serve/config.py",
           (('scoring_func="sigmoid" if gating == GATING_SIGMOID else "softmax",', 'scoring_func="softmax",'),),
-          # the reference follows the config's scoring_func (softmax files), so vLLM's layer agrees with it here;
-          # the config test, which reads gating 2 as sigmoid, catches it
+          # the reference follows the config's scoring_func (softmax files): both tests check it against the key
           (P + "test_bug_classes.py::test_class11_14_vllm_moe_layer_equals_reference",
            U + "test_config_schema.py::test_config_from_metadata_gives_the_preset_dimensions")),
     Fault("k_b-no-transpose", "5", "kv_b_proj re-fused with attn_k_b reshaped instead of transposed",

@@ -163,6 +163,9 @@ def test_class11_14_vllm_moe_layer_equals_reference(vllm_layers, tiny_checkpoint
     applied once, shared expert added) equals the reference's ``ffn`` (transformers' ``GlmMoeDsaMoE``). Softmax
     gating, the bias in the weights, or a scaling applied twice or never move the output by far more than fp32
     rounding."""
+    # the reference follows the config's scoring_func: check it against the GGUF key read by gguf-py (2 = sigmoid)
+    assert {1: "softmax", 2: "sigmoid"}[gguf_metadata(tiny_checkpoint, "expert_gating_func")] == \
+        reference.scoring_func == "sigmoid"
     x, clear = _moe_inputs(reference, tokens, seed, scale)
     assume(clear)
     model = tiny_vllm_model(tiny_checkpoint)
