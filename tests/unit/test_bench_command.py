@@ -319,7 +319,9 @@ def test_bench_max_model_len_defaults_to_what_the_gguf_holds(tiny_checkpoint, tm
     monkeypatch.setattr(bench, "format_record", lambda rec: "")
     tiny_header, narrow_header = write_header(tmp_path / "t.gguf", "tiny"), write_header(tmp_path / "n.gguf", "narrow")
     synthetic = ["--load-format", "glm5-synthetic"]
+    # input + output may fill the default length, as they may fill a given one (--max-model-len >= their sum)
     for args, runs in (([tiny_checkpoint], 512), ([tiny_header, *synthetic], 512), ([narrow_header, *synthetic], 1024),
+                       ([tiny_header, *synthetic, "--input-len", "400", "--output-len", "112"], 512),
                        ([tiny_checkpoint, "--max-model-len", "400"], 400),
                        ([narrow_header, *synthetic, "--max-model-len", "8192"], 8192)):
         assert main(["bench", *map(str, args)]) == 0, capsys.readouterr().err
