@@ -512,8 +512,12 @@ def test_projection_refuses_records_that_do_not_belong_together(tmp_path, capsys
     hard, copy = tmp_path / "a_hard.json", tmp_path / "a_copy.json"
     os.link(a, hard)
     copy.write_text(Path(a).read_text())
+    # and a copy written again with its keys in another order and indented (jq, an editor): the same record
+    rewritten = tmp_path / "a_rewritten.json"
+    rewritten.write_text(json.dumps(dict(reversed(json.loads(Path(a).read_text()).items())), indent=2))
     cases += [([a, str(hard), b], f"{hard}: listed twice (also as {a})"),
-              ([str(copy), b, a], f"{a}: listed twice (also as {copy})")]
+              ([str(copy), b, a], f"{a}: listed twice (also as {copy})"),
+              ([a, b, str(rewritten)], f"{rewritten}: listed twice (also as {a})")]
     for files, message in cases:
         assert main(["bench", "--projection", *files]) == 2, files
         err = capsys.readouterr().err
