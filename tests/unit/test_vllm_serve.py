@@ -271,6 +271,16 @@ def test_options_in_a_config_file_are_read_as_vllm_reads_them(tiny_checkpoint, t
     for args in (["-pp", "1"], ["--disable-expert-parallel"]):
         path = config("p.yaml", "pipeline-parallel-size: 2" if args[0] == "-pp" else "enable_expert_parallel: true")
         assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", path, *args]) == 0
+    # given on the command line, in any spelling, beside a --config that does not give it: named as the model's
+    # (reading only `--name V` as the command line's named the config file for `--name=V`)
+    port = config("port.yaml", "port: 8001")
+    for args in (["--pipeline-parallel-size=2"], ["--pipeline_parallel_size=2"], ["-pp", "2"]):
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", port, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"glm5serve serve: {tiny_checkpoint}: glm5serve loads GLM-5 GGUF with tensor parallelism "
+                              "only, not --pipeline-parallel-size 2 ("), (args, err)
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", port, "--tensor-parallel-size=two"]) == 2
+    assert capsys.readouterr().err.strip() == "glm5serve serve: --tensor-parallel-size must be an integer, not 'two'"
     off = config("o.yaml", "enable-expert-parallel: false\npipeline-parallel-size: 1")
     assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", off]) == 0
 
