@@ -821,6 +821,10 @@ def test_a_split_set_without_its_tensor_count(tiny_split_checkpoint, tmp_path, g
                      "metadata key split.tensors.count is missing from shard 1 of 3")
     assert "-1" not in line
     _verify_fail(first, capsys, "split.tensors.count is missing")
+    # a count of 0 is there, only wrong: named by its value (a falsy test for "missing" said it was missing)
+    zero = gguf_rewrite(paths[0], tmp_path / paths[0].name, set_keys={"split.tensors.count": 0})
+    n = len(GGUFModel(tiny_split_checkpoint).tensors)
+    _one_line(["inspect", str(zero)], capsys, zero.name, f"split.tensors.count=0 but the 3 files hold {n} tensors")
 
 
 def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, capsys):
