@@ -305,9 +305,10 @@ def test_llama_cpp_reads_one_indexer_type_as_every_layers(tiny_f32_checkpoint, t
 def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_checkpoint, tmp_path, gguf_rewrite,
                                                                     subprocess_json):
     """llama.cpp's logits tell which RoPE keys change the model: ``rope.scaling.type`` ``none`` with a factor of 8
-    computes the logits of the plain file (llama_context: "never scale if scaling type is none"), and glm5serve
-    accepts it; ``rope.scaling.attn_factor`` 2 changes them (it scales the rotated queries and keys), and glm5serve
-    refuses it, naming the key, instead of running plain RoPE."""
+    computes the logits of the plain file (llama_context: "never scale if scaling type is none"), and so does
+    ``longrope`` without a factor (a type llama.cpp knows; glm-dsa has no rope_long/rope_short factors), and
+    glm5serve accepts both; ``rope.scaling.attn_factor`` 2 changes them (it scales the rotated queries and keys), and
+    glm5serve refuses it, naming the key, instead of running plain RoPE."""
     pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
     from gguf import GGUFValueType as T
 
@@ -315,13 +316,18 @@ def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_che
         "glm-dsa.rope.scaling.type": ("none", T.STRING), "glm-dsa.rope.scaling.factor": (8.0, T.FLOAT32)})
     attn2 = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "attn2.gguf",
                          set_keys={"glm-dsa.rope.scaling.attn_factor": (2.0, T.FLOAT32)})
+    longrope = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "longrope.gguf",
+                            set_keys={"glm-dsa.rope.scaling.type": ("longrope", T.STRING)})
     assert GGUFModel(none8).get(".rope.scaling.factor") == 8.0
     assert GGUFModel(attn2).get(".rope.scaling.attn_factor") == 2.0
+    assert GGUFModel(longrope).get(".rope.scaling.type") == "longrope"
     prompts = _prompts(tokenizer_from_gguf(tiny_f32_checkpoint), 1, 40)
-    plain, got_none8, got_attn2 = (np.asarray(subprocess_json(LLAMA_LOGITS, {"model": str(p), "prompts": prompts}))
-                                   for p in (tiny_f32_checkpoint, none8, attn2))
+    plain, got_none8, got_attn2, got_longrope = (
+        np.asarray(subprocess_json(LLAMA_LOGITS, {"model": str(p), "prompts": prompts}))
+        for p in (tiny_f32_checkpoint, none8, attn2, longrope))
     assert np.array_equal(got_none8, plain) and np.abs(got_attn2 - plain).max() > 1.0
-    assert all(c.ok for c in verify(none8))
+    assert np.array_equal(got_longrope, plain)
+    assert all(c.ok for c in verify(none8)) and all(c.ok for c in verify(longrope))
     (fail,) = [c for c in verify(attn2) if not c.ok]
     assert "glm-dsa.rope.scaling.attn_factor=2: llama.cpp scales" in fail.detail, fail.detail
 

@@ -143,6 +143,8 @@ def test_indexer_types_that_are_not_booleans_are_refused(value, shown):
     ({"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 4.0}, r"factor=4: RoPE scaling \(yarn\)"),
     ({"glm-dsa.rope.scale_linear": 2.0}, r"glm-dsa\.rope\.scale_linear=2: RoPE scaling \(linear\)"),
     ({"glm-dsa.rope.scaling.type": "dynamic"}, r"rope\.scaling\.type is 'dynamic', not one of none, linear, yarn"),
+    ({"glm-dsa.rope.scaling.type": "longrope", "glm-dsa.rope.scaling.factor": 4.0},
+     r"factor=4: RoPE scaling \(longrope\)"),
 ])
 def test_rope_scaling_is_refused_not_ignored(keys, words):
     """llama.cpp scales RoPE by these keys (freq_scale = 1 / factor; fresh-user finding: the reference's logits were
@@ -154,9 +156,12 @@ def test_rope_scaling_is_refused_not_ignored(keys, words):
 
 @pytest.mark.parametrize("keys", [{"glm-dsa.rope.scaling.type": "none"},
                                   {"glm-dsa.rope.scaling.type": "linear", "glm-dsa.rope.scaling.factor": 1.0},
-                                  {"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 0.0}])
+                                  {"glm-dsa.rope.scaling.type": "yarn", "glm-dsa.rope.scaling.factor": 0.0},
+                                  {"glm-dsa.rope.scaling.type": "longrope"}])
 def test_rope_scaling_by_one_is_plain_rope(keys):
-    """A factor of 1 (or 0, llama.cpp's "unset") scales nothing, whatever the type: accepted."""
+    """A factor of 1 (or 0, llama.cpp's "unset") scales nothing, whatever the type llama.cpp knows
+    (``LLAMA_ROPE_SCALING_TYPES``: none, linear, yarn, longrope; dropping longrope from the list refused such a file
+    as an unknown type, and passed the suite): accepted."""
     assert config_from_metadata(_md(**keys)).rope_parameters["rope_type"] == "default"
 
 
