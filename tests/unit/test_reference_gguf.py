@@ -171,6 +171,28 @@ def test_a_size_one_dimension_elsewhere_is_a_one_line_error(shape, tiny_checkpoi
     assert str(e.value) == f"{bad}: {name}: shape {shape} (numpy order), expected (384, 256)"
 
 
+def test_a_zero_bias_loads_and_a_zero_matrix_is_refused(tiny_checkpoint, tmp_path, gguf_rewrite, tok):
+    """As verify holds it (test_verify.py): only weight matrices are refused for being all zeros (an unfilled
+    download); an all-zero ``e_score_correction_bias`` (DeepSeek-V3 starts it at zero) loads, and its logits are
+    transformers' on the same weights. Refusing every all-zero tensor passed the suite: no test loaded one."""
+    from glm5serve.gguf_file import GGUFModel
+
+    m = GGUFModel(tiny_checkpoint)
+    bias, gate = m["blk.1.exp_probs_b.bias"], m["blk.1.ffn_gate_inp.weight"]
+    ok = gguf_rewrite(tiny_checkpoint, tmp_path / "bias.gguf",
+                      replace={bias.name: (np.zeros(bias.shape, np.float32), Q.F32)})
+    model = ReferenceModel.from_gguf(ok)
+    assert not model._p(1, "mlp.gate.e_score_correction_bias").any()
+    ids = tok.encode(LONG[0])
+    expected, _ = hf_hidden_states(hf_model(model.cfg, model.w), ids)
+    assert rel_err(model.forward(ids), expected) <= 1e-5
+    bad = gguf_rewrite(tiny_checkpoint, tmp_path / "gate.gguf",
+                       replace={gate.name: (np.zeros(gate.shape, np.float32), Q.F32)})
+    with pytest.raises(GGUFModelError) as e:
+        ReferenceModel.from_gguf(bad)
+    assert str(e.value).startswith(f"{bad}: {gate.name}: every value is zero, which no trained weight matrix is")
+
+
 # ---------------------------------------------------------------- metamorphic, fp64 (see test_reference.py)
 @pytest.fixture(scope="module")
 def tiny64(tiny_checkpoint):
