@@ -30,7 +30,9 @@ from faults import FAULTS, Fault  # noqa: E402
 
 COPIED = ("src", "tests", "conftest.py", "pyproject.toml")
 DIGEST_MODULES = ("checkpoint", "tokenizer", "_corpus", "schema", "config", "quantize")  # glm5serve.cache._SOURCES
-OUTCOME = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+# pytest -v: "NODEID OUTCOME [(reason)] [ NN%]"; a parametrized id may hold spaces (a regex parameter)
+OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \(.*\))?(?:\s+\[\s*\d+%\])?\s*$",
+                     re.M)
 COLLECTION_ERROR = re.compile(r"^ERROR (\S+?)(?: - |$)", re.M)
 
 

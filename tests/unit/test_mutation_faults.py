@@ -26,3 +26,17 @@ def test_fault_applies_to_the_current_code(fault):
         assert text.count(old) == 1, f"{fault.name}: {old!r} occurs {text.count(old)} times in {fault.path}"
     for node in fault.tests:
         assert (ROOT / node.split("::")[0]).is_file(), f"{fault.name}: no test file {node}"
+
+
+def test_outcomes_are_read_for_parametrized_ids_with_spaces():
+    """run.py reads each test's outcome from ``pytest -v``; an id holding spaces (a regex parameter such as
+    ``RoPE scaling \\(linear\\)``) was not matched, so a fault caught only by such a test was reported MISSED."""
+    from run import OUTCOME
+
+    out = ("tests/unit/t.py::test_a[keys2-glm-dsa\\.rope\\.scale_linear=2: RoPE scaling \\(linear\\)] FAILED [ 60%]\n"
+           "tests/unit/t.py::test_b[x] PASSED [ 80%]\n"
+           "tests/unit/t.py::test_c SKIPPED (no GPU) [100%]\n"
+           "FAILED tests/unit/t.py::test_a[keys2-glm-dsa\\.rope\\.scale_linear=2: RoPE scaling \\(linear\\)]\n")
+    assert {m[1]: m[2] for m in OUTCOME.finditer(out)} == {
+        "tests/unit/t.py::test_a[keys2-glm-dsa\\.rope\\.scale_linear=2: RoPE scaling \\(linear\\)]": "FAILED",
+        "tests/unit/t.py::test_b[x]": "PASSED", "tests/unit/t.py::test_c": "SKIPPED"}
