@@ -298,8 +298,11 @@ class GGUFModel:
         }
         self.tensors: dict[str, TensorInfo] = {}
         count = len(self.paths)
-        declared = metadata_value(SPLIT_COUNT, self.metadata.get(SPLIT_COUNT, 1), int, str(self.path)) or 1
-        if declared != count and not (declared == 1 and count == 1):
+        if count > 1 and self.metadata.get(SPLIT_COUNT) is None:  # said "split.count=1", a default it does not hold
+            raise GGUFModelError(f"metadata key {SPLIT_COUNT} is missing from shard 1 of {count}",
+                                 file=str(self.path))
+        declared = metadata_value(SPLIT_COUNT, self.metadata.get(SPLIT_COUNT, 1), int, str(self.path))
+        if declared != count and not (declared in (0, 1) and count == 1):  # 0: not split (llama.cpp's default)
             raise GGUFModelError(f"{SPLIT_COUNT}={declared} but the file name says {count} files", file=str(self.path))
         for i, (p, r) in enumerate(zip(self.paths, self.readers)):
             if count > 1:

@@ -827,6 +827,20 @@ def test_a_split_set_without_its_tensor_count(tiny_split_checkpoint, tmp_path, g
     _one_line(["inspect", str(zero)], capsys, zero.name, f"split.tensors.count=0 but the 3 files hold {n} tensors")
 
 
+@pytest.mark.parametrize("edit,words", [({"drop_keys": {"split.count"}}, "metadata key split.count is missing from "
+                                                                        "shard 1 of 3"),
+                                        ({"set_keys": {"split.count": 0}}, "split.count=0 but the file name says 3")])
+def test_a_split_set_without_its_split_count(edit, words, tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
+    """Shard 1 without split.count (or with 0) was reported as 'split.count=1', a default the file does not hold
+    (fresh-user finding)."""
+    paths = GGUFModel(tiny_split_checkpoint).paths
+    for p in paths[1:]:
+        shutil.copy(p, tmp_path / p.name)
+    first = gguf_rewrite(paths[0], tmp_path / paths[0].name, **edit)
+    assert "split.count=1" not in _one_line(["inspect", str(first)], capsys, first.name, words)
+    _verify_fail(first, capsys, words)
+
+
 def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, capsys):
     """Shard 1 of a 3-file set copied under a plain name holds a third of the tensors; its split.count says so, and
     the file is refused naming that key, not opened as a model of one file."""
