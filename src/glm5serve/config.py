@@ -152,7 +152,7 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
 
     ``num_hidden_layers`` excludes the MTP layers (``block_count - nextn_predict_layers``); the MTP count is kept
     as ``num_nextn_predict_layers``. Optional keys default as llama.cpp's glm-dsa loader reads them: no
-    ``expert_gating_func`` is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
+    ``expert_gating_func`` (or 0) is sigmoid, no ``expert_weights_norm`` is false (routing weights not renormalized), no
     ``expert_weights_scale`` is 1, no ``attention.indexer.types`` is every layer ``full`` unless ``context_length``
     is 1M or more (GLM-5.2: :func:`glm52_indexer_types`), and one integer there (not an array) applies to every
     layer, as llama.cpp's ``get_key_or_arr`` reads a UINT32 (a boolean too, which llama.cpp refuses as a scalar:
@@ -213,7 +213,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     if n_dense < 0:
         raise GGUFModelError(f"{ARCH}.leading_dense_block_count={n_dense} is negative", file=path)
     key_mla = req("attention.key_length_mla")
-    gating = opt("expert_gating_func", GATING_SIGMOID)  # absent means sigmoid (llama.cpp glm-dsa loader)
+    # absent or 0 (gguf-py has no name for it; llama.cpp's NONE) means sigmoid, as llama.cpp's glm-dsa loader reads it
+    gating = opt("expert_gating_func", GATING_SIGMOID) or GATING_SIGMOID
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise GGUFModelError(f"{ARCH}.expert_gating_func={gating} is neither softmax (1) nor sigmoid (2)", file=path)
     tokens = md.get("tokenizer.ggml.tokens")

@@ -198,6 +198,16 @@ def test_missing_gating_func_means_sigmoid():
     assert cfg.scoring_func == "sigmoid"
 
 
+def test_gating_func_0_means_sigmoid_and_other_values_are_refused():
+    """llama.cpp's glm-dsa loader reads expert_gating_func 0 (LLAMA_EXPERT_GATING_FUNC_TYPE_NONE) as sigmoid, as it
+    reads an absent key; glm5serve refused such a file that llama.cpp runs (fresh-user finding)."""
+    assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 0})).scoring_func == "sigmoid"
+    assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 1})).scoring_func == "softmax"
+    for bad in (3, -1):
+        with pytest.raises(GGUFModelError, match=rf"expert_gating_func={bad} is neither softmax \(1\) nor sigmoid"):
+            config_from_metadata(_md(**{"glm-dsa.expert_gating_func": bad}))
+
+
 def test_missing_key_and_foreign_arch_are_one_line_errors():
     with pytest.raises(GGUFModelError, match=r"glm-dsa\.attention\.kv_lora_rank is missing"):
         config_from_metadata(_md(**{"glm-dsa.attention.kv_lora_rank": None}))
