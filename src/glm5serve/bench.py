@@ -660,6 +660,15 @@ def _write_json(path, rec: dict) -> None:
     Path(path).write_text(json.dumps(rec, indent=1))
 
 
+def _same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same inode (a hard link or a symlink to it, as
+    ``os.path.samefile``), or, where one does not exist yet, the same resolved path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
 def _run(args) -> int:
     if args.projection:
         if args.target_layers < 1:
@@ -669,7 +678,7 @@ def _run(args) -> int:
         if args.target_tp < 3:  # TP=1 and TP=2 are what the projection is made from: their lines are printed anyway
             raise GGUFModelError(f"--target-tp must be >= 3 (TP=1 and TP=2 are measured, not projected), "
                                  f"not {args.target_tp}")
-        if args.json and any(Path(args.json).resolve() == Path(f).resolve() for f in args.projection):
+        if args.json and any(_same_file(args.json, f) for f in args.projection):
             raise GGUFModelError(f"--json {args.json} is one of the records to project: it would be overwritten")
         records = [_read_record(f) for f in args.projection]
         _check_together(args.projection, records)

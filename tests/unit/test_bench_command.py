@@ -574,3 +574,8 @@ def test_projection_targets_and_run_preconditions_are_checked(tmp_path, capsys, 
     assert main(["bench", "--projection", str(f), "--json", str(tmp_path / "." / "r.json")]) == 2
     assert "is one of the records to project: it would be overwritten" in capsys.readouterr().err
     assert f.read_text() == before
+    # nor through a hard link to it (fresh-user finding: the record was overwritten with the projection, exit 0)
+    os.link(f, tmp_path / "r_hard.json")
+    assert main(["bench", "--projection", str(f), "--json", str(tmp_path / "r_hard.json")]) == 2
+    assert "is one of the records to project: it would be overwritten" in capsys.readouterr().err
+    assert f.read_text() == before
