@@ -28,10 +28,22 @@ CHUNK_ELEMENTS = 1 << 22
 ZERO_MATRIX = "is zero, which no trained weight matrix is (a download preallocated and never filled?)"
 
 
+#: why a norm's scale of zeros is refused: it zeroes what the norm feeds (``output_norm``: every logit, so the text
+#: went on '!!!!!!!!' with every check passed), and it is what the last bytes of an unfilled download read as
+ZERO_NORM = "is zero, which no trained norm weight is (a download preallocated and never filled?)"
+
+
 def is_matrix(shape: Sequence[int]) -> bool:
     """Whether a tensor of numpy ``shape`` has two or more dimensions above 1 (ggml pads ``ne`` with 1s): a weight
-    matrix or a stack of them, not a norm or bias vector (which may legitimately be all zeros)."""
+    matrix or a stack of them, not a norm or bias vector."""
     return sum(int(d) > 1 for d in shape) >= 2
+
+
+def zero_refused(name: str, shape: Sequence[int]) -> str | None:
+    """Why tensor ``name`` of numpy ``shape`` is refused when every value is zero (:data:`ZERO_MATRIX` for a weight
+    matrix, :data:`ZERO_NORM` for a norm's scale, ``*norm.weight``), None for one that may be all zeros (a bias such
+    as ``exp_probs_b.bias`` or ``indexer.k_norm.bias``)."""
+    return ZERO_MATRIX if is_matrix(shape) else ZERO_NORM if name.endswith("norm.weight") else None
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -222,7 +222,7 @@ class ReferenceModel:
         one of :data:`COMPUTE_DTYPES` (float32, float64, bfloat16, float16).
         """
         from glm5serve.config import config_from_metadata
-        from glm5serve.dequant import ZERO_MATRIX, dequantize_tensor, is_matrix
+        from glm5serve.dequant import dequantize_tensor, zero_refused
         from glm5serve.gguf_file import GGUFModel
         from glm5serve.schema import expected_tensors, hf_to_gguf, merge_gate_up, merge_kv_b
         from glm5serve.synthetic import refuse_synthetic
@@ -253,8 +253,8 @@ class ReferenceModel:
                 if not bool(t.isfinite().all()):
                     raise GGUFModelError("non-finite values after dequantization (NaN/Inf)", file=gguf[p].file,
                                          tensor=p)
-                if is_matrix(t.shape) and not bool(t.any()):  # so would a matrix of zeros (an unfilled download)
-                    raise GGUFModelError(f"every value {ZERO_MATRIX}", file=gguf[p].file, tensor=p)
+                if (why := zero_refused(p, t.shape)) and not bool(t.any()):  # so would zeros (an unfilled download)
+                    raise GGUFModelError(f"every value {why}", file=gguf[p].file, tensor=p)
             if hf_name.endswith("kv_b_proj.weight"):
                 w = merge_kv_b(*ts)
             elif hf_name.endswith("experts.gate_up_proj"):

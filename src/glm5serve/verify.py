@@ -220,10 +220,11 @@ def _sample_rows(n_rows: int, n: int = SAMPLE_ROWS) -> np.ndarray:
 
 
 def check_finite(ctx: Context) -> list[Check]:
-    """Every tensor dequantizes to finite values, and no weight matrix to zeros alone (:data:`~glm5serve.dequant.
-    ZERO_MATRIX`: a file whose tail was never downloaded): whole tensors up to FULL_CHECK_BYTES, else SAMPLE_ROWS
-    rows. Fails for a ``synthetic-gguf`` header: its data section is a hole that reads as zeros, not weights."""
-    from glm5serve.dequant import ZERO_MATRIX, dequantize, is_matrix
+    """Every tensor dequantizes to finite values, and no weight matrix or norm weight to zeros alone
+    (:func:`~glm5serve.dequant.zero_refused`: a file whose tail was never downloaded): whole tensors up to
+    FULL_CHECK_BYTES, else SAMPLE_ROWS rows. Fails for a ``synthetic-gguf`` header: its data section is a hole that
+    reads as zeros, not weights."""
+    from glm5serve.dequant import dequantize, zero_refused
     from glm5serve.synthetic import LOAD_FORMAT, is_synthetic
 
     if is_synthetic(ctx.model):
@@ -255,12 +256,13 @@ def check_finite(ctx: Context) -> list[Check]:
             block = GGML_QUANT_SIZES[t.qtype][0]
             return [_fail("finite", f"non-finite value after dequantization (row {row}, block {c // block})",
                           file=t.file, tensor=t.name)]
-        if is_matrix(t.shape) and not rows.any():  # zero bytes are zero values in every type (block scales 0)
+        if (why := zero_refused(t.name, t.shape)) and not rows.any():  # zero bytes: zero values in every type
             what = "every value" if idx is None else f"every value of {len(idx)} sampled rows"
-            return [_fail("finite", f"{what} {ZERO_MATRIX}", file=t.file, tensor=t.name)]
+            return [_fail("finite", f"{what} {why}", file=t.file, tensor=t.name)]
     how = (f"{len(ctx.model) - sampled} in full, {sampled} large ones on {SAMPLE_ROWS} sampled rows each"
            if sampled else "all in full")
-    return [Check("finite", True, f"{len(ctx.model)} tensors dequantize to finite values, no matrix to zeros ({how})")]
+    return [Check("finite", True, f"{len(ctx.model)} tensors dequantize to finite values, no matrix or norm to zeros "
+                  f"({how})")]
 
 
 STATIC_CHECKS: list[Callable[[Context], list[Check]]] = [

@@ -486,7 +486,28 @@ def test_generate_refuses_a_file_whose_tail_is_zeros(tiny_checkpoint, tmp_path, 
         f.seek(size // 2)
         f.write(bytes(size - size // 2))
     _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "2"], capsys, path.name,
-              "every value is zero, which no trained weight matrix is")
+              "every value is zero, which no trained ")  # weight matrix or norm weight: the first one loaded
+
+
+def test_a_norm_weight_of_zeros_is_refused_by_verify_and_generate(tiny_checkpoint, tmp_path, capsys):
+    """Fresh-user finding: output_norm.weight (the file's last tensor here, so the first an unfilled download zeroes)
+    read as zeros passed verify and generated 'The capital of France is!!!!!!!!': only weight matrices were held
+    to it. A bias of zeros (the router's exp_probs_b.bias) still passes."""
+    for name, refused in (("output_norm.weight", True), ("blk.1.attn_kv_a_norm.weight", True),
+                          ("blk.1.exp_probs_b.bias", False)):
+        path = tmp_path / f"{name}.gguf"
+        shutil.copy(tiny_checkpoint, path)
+        t = GGUFModel(path)[name]
+        with open(path, "r+b") as f:
+            f.seek(t.data_offset)
+            f.write(bytes(t.n_bytes))
+        if not refused:
+            assert main(["verify", str(path)]) == 0, capsys.readouterr().out
+            capsys.readouterr()
+            continue
+        words = (path.name, name, "every value is zero, which no trained norm weight is")
+        _one_line(["generate", str(path), "--prompt", "Hi", "--max-tokens", "2"], capsys, *words)
+        _verify_fail(path, capsys, *words)
 
 
 # ---------------------------------------------------------------- a second new-user trial (session 4): headers

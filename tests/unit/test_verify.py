@@ -217,7 +217,7 @@ def test_finite_line_says_which_tensors_were_sampled(tiny_checkpoint, monkeypatc
     large = sum(1 for t in model if t.n_bytes > verify_mod.FULL_CHECK_BYTES)
     assert 0 < large < len(model)
     (check,) = [c for c in verify(tiny_checkpoint, 1, [*HEADER, verify_mod.check_finite]) if c.name == "finite"]
-    assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values, no matrix to zeros "
+    assert check.ok and check.detail == (f"{len(model)} tensors dequantize to finite values, no matrix or norm to zeros "
                                          f"({len(model) - large} in full, {large} large ones on "
                                          f"{verify_mod.SAMPLE_ROWS} sampled rows each)")
 
