@@ -298,6 +298,8 @@ def test_a_config_file_vllm_cannot_use_is_refused_in_one_line(tiny_checkpoint, t
              (["--config", config("c.json", "{}")], "c.json: --config must name a .yaml or .yml file"),
              (["--config", config("t.yaml", "tensor-parallel-size: three")],
               "t.yaml: --tensor-parallel-size must be an integer, not 'three'"),
+             (["--config", config("m.yaml", "max-model-len: 4KB")],  # named no file (fresh-user finding)
+              "m.yaml: --max-model-len must be a number of tokens (4096, 4k, 4K) or auto, not '4KB'"),
              (["--config=" + config("eq.yaml", "port: 1")], "write --config FILE, not --config=FILE: vLLM reads the "
                                                              "file only in that spelling"),
              (["--config", config("a.yaml", "port: 1"), "--config", config("b.yaml", "port: 2")],

@@ -105,10 +105,10 @@ def size_option(args: list[str], name: str, alias: str, file: str | None = None)
 _SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def max_model_len_option(args: list[str]) -> int | None:
+def max_model_len_option(args: list[str], file: str | None = None) -> int | None:
     """``--max-model-len`` in tokens as vLLM reads it (``human_readable_int_or_auto``: ``4096``, ``4k`` = 4000,
     ``4K`` = 4096; ``-1`` or ``auto``, returned as -1: what fits in GPU memory), None when not given. Raises
-    GGUFModelError for another value."""
+    GGUFModelError (naming ``file``, where the value came from) for another value."""
     text = option(args, "--max-model-len")
     if text is None:
         return None
@@ -121,7 +121,8 @@ def max_model_len_option(args: list[str]) -> int | None:
     except ValueError:
         n = 0  # not a length: refused below
     if n < 1:
-        raise GGUFModelError(f"--max-model-len must be a number of tokens (4096, 4k, 4K) or auto, not {text!r}")
+        raise GGUFModelError(f"--max-model-len must be a number of tokens (4096, 4k, 4K) or auto, not {text!r}",
+                             file=file)
     return n
 
 
@@ -338,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
     check_parallel(pp, flag(view, "--enable-expert-parallel", "-ep"), file=source(
         "--pipeline-parallel-size", "-pp", "--enable-expert-parallel", "-ep", "--disable-expert-parallel",
         "--no-enable-expert-parallel") or str(args.model))
+    max_model_len_option(view, source("--max-model-len"))  # settings reads it again; a bad one names its file here
     for label, value in settings(args.model, tp, view):
         print(f"{label:>18}: {value}")
     cmd = vllm_command(args.model, vllm_args)
