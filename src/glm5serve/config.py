@@ -166,8 +166,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     array, ``attention.indexer.types`` an array or one boolean), ``block_count`` names more blocks
     than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
     (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
-    positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative
-    ``leading_dense_block_count``, a special token id outside the vocabulary, an ``attention.indexer.types``
+    positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative value
+    in any integer key (llama.cpp reads them as u32), a special token id outside the vocabulary, an ``attention.indexer.types``
     name other than ``full``/``shared``, a RoPE scaling: :func:`_refuse_rope_scaling`), or when transformers'
     ``GlmMoeDsaConfig`` rejects the values (its own message, one line).
     """
@@ -182,11 +182,17 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
         v = md.get(f"{ARCH}.{key}")
         if v is None:
             raise GGUFModelError(f"metadata key {ARCH}.{key} is missing", file=path)
-        return metadata_value(f"{ARCH}.{key}", v, kind, path)
+        return checked(key, metadata_value(f"{ARCH}.{key}", v, kind, path))
 
     def opt(key: str, default, kind=int):
         v = md.get(f"{ARCH}.{key}")
-        return default if v is None else metadata_value(f"{ARCH}.{key}", v, kind, path)
+        return default if v is None else checked(key, metadata_value(f"{ARCH}.{key}", v, kind, path))
+
+    def checked(key: str, v):  # every integer key of glm-dsa is a u32 in llama.cpp: a negative one is no size
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+            raise GGUFModelError(f"{ARCH}.{key}={v} is negative (llama.cpp reads it as an unsigned integer)",
+                                 file=path)
+        return v
 
     def token_id(role: str) -> int | None:
         v = md.get(f"tokenizer.ggml.{role}_token_id")
@@ -203,15 +209,13 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
                                  file=path)
     n_mtp = opt("nextn_predict_layers", 0)
     n_layers = n_blocks - n_mtp
-    if n_mtp < 0 or n_layers < 1:  # before transformers' own validation, which names neither key nor file
+    if n_layers < 1:  # before transformers' own validation, which names neither key nor file
         raise GGUFModelError(f"{ARCH}.block_count={n_blocks} with nextn_predict_layers={n_mtp} leaves {n_layers} "
                              "main layers", file=path)
     rope_dim = req("rope.dimension_count")
     if rope_dim % 2:  # RoPE rotates pairs (llama.cpp asserts n_rot % 2 == 0 in ggml_rope)
         raise GGUFModelError(f"{ARCH}.rope.dimension_count={rope_dim} is odd: RoPE rotates pairs", file=path)
     n_dense = opt("leading_dense_block_count", 0)
-    if n_dense < 0:
-        raise GGUFModelError(f"{ARCH}.leading_dense_block_count={n_dense} is negative", file=path)
     key_mla = req("attention.key_length_mla")
     # absent or 0 (gguf-py has no name for it; llama.cpp's NONE) means sigmoid, as llama.cpp's glm-dsa loader reads it
     gating = opt("expert_gating_func", GATING_SIGMOID) or GATING_SIGMOID

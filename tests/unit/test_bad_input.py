@@ -657,6 +657,10 @@ def test_grouped_routing_that_can_run_is_accepted(tiny_checkpoint):
 @pytest.mark.parametrize("key,value,words", [
     ("glm-dsa.rope.dimension_count", 31, "glm-dsa.rope.dimension_count=31 is odd: RoPE rotates pairs"),
     ("glm-dsa.leading_dense_block_count", -1, "glm-dsa.leading_dense_block_count=-1 is negative"),
+    # other u32 keys stored signed: a negative one named no key ('blk.1.ffn_gate_shexp.weight: shape (256, 256)
+    # ..., expected (-256, 256)')
+    ("glm-dsa.expert_shared_count", -1, "glm-dsa.expert_shared_count=-1 is negative"),
+    ("glm-dsa.attention.q_lora_rank", -256, "glm-dsa.attention.q_lora_rank=-256 is negative"),
 ])
 def test_metadata_transformers_rejects_names_its_key(key, value, words, tiny_checkpoint, tmp_path, gguf_rewrite,
                                                       capsys):
