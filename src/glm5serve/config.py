@@ -122,9 +122,9 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 
 def _refuse_rope_scaling(md: dict, path: str) -> None:
-    """Raise GGUFModelError for a file whose RoPE is scaled: ``rope.scaling.factor`` (or the older
-    ``rope.scale_linear``) other than 1 (0 or absent means 1, as in llama.cpp's ``load_hparams``:
-    ``freq_scale = 1 / factor``) unless ``rope.scaling.type`` is ``none`` (llama.cpp's ``llama_context`` then sets
+    """Raise GGUFModelError for a file whose RoPE is scaled: ``rope.scaling.factor`` (or, where that key is
+    missing, the older ``rope.scale_linear``) other than 1 (0 or absent means 1, as in llama.cpp's ``load_hparams``:
+    ``freq_scale = 1 / factor``, the older key read only without the newer) unless ``rope.scaling.type`` is ``none`` (llama.cpp's ``llama_context`` then sets
     ``freq_scale = 1``: "never scale if scaling type is none"), a ``rope.scaling.type`` llama.cpp does not know, or a
     ``rope.scaling.attn_factor`` other than 1 (llama.cpp multiplies its ``yarn_attn_factor`` by it whatever the
     type: the rotated parts of queries and keys and the glm-dsa ``kq_scale`` grow with it). GLM-5 has none, and
@@ -134,11 +134,13 @@ def _refuse_rope_scaling(md: dict, path: str) -> None:
     if kind is not None and (not isinstance(kind, str) or kind not in ROPE_SCALING_TYPES):
         raise GGUFModelError(f"{ARCH}.rope.scaling.type is {_short(kind)}, not one of "
                              f"{', '.join(ROPE_SCALING_TYPES)}", file=path)
-    for key in (f"{ARCH}.rope.scaling.factor", f"{ARCH}.rope.scale_linear"):
-        v = md.get(key)  # read (and type-checked) whatever the type, as llama.cpp reads it
-        if v is not None and metadata_value(key, v, float, path) not in (0.0, 1.0) and kind != "none":
-            raise GGUFModelError(f"{key}={float(v):g}: RoPE scaling ({kind or 'linear'}) is not supported; GLM-5 "
-                                 "has none, and the engines here would run plain RoPE", file=path)
+    key = f"{ARCH}.rope.scaling.factor"
+    if md.get(key) is None:  # llama.cpp reads the older key only where the newer one is missing
+        key = f"{ARCH}.rope.scale_linear"
+    v = md.get(key)  # read (and type-checked) whatever the type, as llama.cpp reads it
+    if v is not None and metadata_value(key, v, float, path) not in (0.0, 1.0) and kind != "none":
+        raise GGUFModelError(f"{key}={float(v):g}: RoPE scaling ({kind or 'linear'}) is not supported; GLM-5 "
+                             "has none, and the engines here would run plain RoPE", file=path)
     key = f"{ARCH}.rope.scaling.attn_factor"
     v = md.get(key)
     if v is not None and metadata_value(key, v, float, path) != 1.0:

@@ -306,9 +306,11 @@ def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_che
                                                                     subprocess_json):
     """llama.cpp's logits tell which RoPE keys change the model: ``rope.scaling.type`` ``none`` with a factor of 8
     computes the logits of the plain file (llama_context: "never scale if scaling type is none"), and so does
-    ``longrope`` without a factor (a type llama.cpp knows; glm-dsa has no rope_long/rope_short factors), and
-    glm5serve accepts both; ``rope.scaling.attn_factor`` 2 changes them (it scales the rotated queries and keys), and
-    glm5serve refuses it, naming the key, instead of running plain RoPE."""
+    ``longrope`` without a factor (a type llama.cpp knows; glm-dsa has no rope_long/rope_short factors), and so does
+    the older ``rope.scale_linear`` 2 beside a ``rope.scaling.factor`` of 1 (read only without it), and glm5serve
+    accepts them; ``rope.scaling.attn_factor`` 2 or ``rope.scale_linear`` 2 alone change them (the first scales the
+    rotated queries and keys, the second the positions), and glm5serve refuses them, naming the key, instead of
+    running plain RoPE."""
     pytest.importorskip("llama_cpp", reason="llama_cpp (the oracle extra) is needed to run llama.cpp")
     from gguf import GGUFValueType as T
 
@@ -318,18 +320,28 @@ def test_rope_keys_are_refused_exactly_where_llama_cpp_applies_them(tiny_f32_che
                          set_keys={"glm-dsa.rope.scaling.attn_factor": (2.0, T.FLOAT32)})
     longrope = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "longrope.gguf",
                             set_keys={"glm-dsa.rope.scaling.type": ("longrope", T.STRING)})
+    # the older rope.scale_linear counts only without rope.scaling.factor (load_hparams reads it as a fallback)
+    old2 = gguf_rewrite(tiny_f32_checkpoint, tmp_path / "old2.gguf",
+                        set_keys={"glm-dsa.rope.scale_linear": (2.0, T.FLOAT32)})
+    new1_old2 = gguf_rewrite(old2, tmp_path / "new1_old2.gguf",
+                             set_keys={"glm-dsa.rope.scaling.factor": (1.0, T.FLOAT32)})
     assert GGUFModel(none8).get(".rope.scaling.factor") == 8.0
     assert GGUFModel(attn2).get(".rope.scaling.attn_factor") == 2.0
     assert GGUFModel(longrope).get(".rope.scaling.type") == "longrope"
     prompts = _prompts(tokenizer_from_gguf(tiny_f32_checkpoint), 1, 40)
-    plain, got_none8, got_attn2, got_longrope = (
+    assert GGUFModel(new1_old2).get(".rope.scale_linear") == 2.0
+    plain, got_none8, got_attn2, got_longrope, got_old2, got_new1_old2 = (
         np.asarray(subprocess_json(LLAMA_LOGITS, {"model": str(p), "prompts": prompts}))
-        for p in (tiny_f32_checkpoint, none8, attn2, longrope))
+        for p in (tiny_f32_checkpoint, none8, attn2, longrope, old2, new1_old2))
     assert np.array_equal(got_none8, plain) and np.abs(got_attn2 - plain).max() > 1.0
-    assert np.array_equal(got_longrope, plain)
-    assert all(c.ok for c in verify(none8)) and all(c.ok for c in verify(longrope))
-    (fail,) = [c for c in verify(attn2) if not c.ok]
-    assert "glm-dsa.rope.scaling.attn_factor=2: llama.cpp scales" in fail.detail, fail.detail
+    assert np.array_equal(got_longrope, plain) and np.array_equal(got_new1_old2, plain)
+    assert np.abs(got_old2 - plain).max() > 1.0
+    for accepted in (none8, longrope, new1_old2):
+        assert all(c.ok for c in verify(accepted)), accepted.name
+    for refused, words in ((attn2, "glm-dsa.rope.scaling.attn_factor=2: llama.cpp scales"),
+                           (old2, "glm-dsa.rope.scale_linear=2: RoPE scaling (linear) is not supported")):
+        (fail,) = [c for c in verify(refused) if not c.ok]
+        assert words in fail.detail, fail.detail
 
 
 LLAMA_GENERATE = """

@@ -179,11 +179,15 @@ def test_rope_attn_factor_is_refused_not_ignored(keys):
 
 @pytest.mark.parametrize("keys", [{"glm-dsa.rope.scaling.attn_factor": 1.0},
                                   {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scaling.factor": 8.0},
-                                  {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scale_linear": 4.0}])
+                                  {"glm-dsa.rope.scaling.type": "none", "glm-dsa.rope.scale_linear": 4.0},
+                                  {"glm-dsa.rope.scaling.factor": 1.0, "glm-dsa.rope.scale_linear": 2.0},
+                                  {"glm-dsa.rope.scaling.factor": 0.0, "glm-dsa.rope.scale_linear": 2.0}])
 def test_rope_scaling_llama_cpp_does_not_apply_is_accepted(keys):
     """An attn_factor of 1 scales nothing; with ``rope.scaling.type`` ``none`` llama.cpp sets ``freq_scale = 1``
     whatever the factor ("never scale if scaling type is none"): plain RoPE, as the engines here run it. It was
-    refused as 'RoPE scaling (none) is not supported ... would run plain RoPE'."""
+    refused as 'RoPE scaling (none) is not supported ... would run plain RoPE'. The older ``rope.scale_linear`` is
+    read only where ``rope.scaling.factor`` is missing (``load_hparams``); beside a factor of 1 (or 0) it was
+    refused."""
     assert config_from_metadata(_md(**keys)).rope_parameters["rope_type"] == "default"
 
 
