@@ -281,6 +281,13 @@ def test_options_in_a_config_file_are_read_as_vllm_reads_them(tiny_checkpoint, t
                               "only, not --pipeline-parallel-size 2 ("), (args, err)
     assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", port, "--tensor-parallel-size=two"]) == 2
     assert capsys.readouterr().err.strip() == "glm5serve serve: --tensor-parallel-size must be an integer, not 'two'"
+    # glm5serve's --tp is rewritten on the command line, not in a file vLLM reads itself: it was checked as TP=1,
+    # then vLLM stopped on 'unrecognized arguments: --tp 2'
+    tp = config("tp.yaml", "tp: 2")
+    assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", tp]) == 2
+    assert capsys.readouterr().err.strip() == (f"glm5serve serve: {tp}: --config: vLLM has no option tp (it stops on "
+                                               "'unrecognized arguments: --tp'); write tensor-parallel-size (--tp is "
+                                               "glm5serve's command-line spelling)")
     off = config("o.yaml", "enable-expert-parallel: false\npipeline-parallel-size: 1")
     assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", off]) == 0
 

@@ -134,8 +134,9 @@ def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
     from FILE and puts its keys, as options, right after MODEL: ``key: value`` -> ``--key value``, ``true`` ->
     ``--key``, ``false`` -> ``--no-key``, a list -> ``--key item ...``, a mapping -> ``--key JSON``; the command
     line's options come after them, so one given there wins. Raises GGUFModelError naming FILE
-    for one vLLM fails on (not ``.yaml``/``.yml``, unreadable, not a YAML mapping), for ``--config`` twice or
-    without a value, and for ``--config=FILE``, which vLLM takes but never reads."""
+    for one vLLM fails on (not ``.yaml``/``.yml``, unreadable, not a YAML mapping, a key ``tp``: glm5serve's
+    command-line spelling, which vLLM does not know), for ``--config`` twice or without a value, and for
+    ``--config=FILE``, which vLLM takes but never reads."""
     import json
 
     import yaml  # a vLLM (and transformers) dependency
@@ -160,6 +161,9 @@ def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
         raise GGUFModelError("--config: not a YAML mapping of vLLM options (key: value lines)", file=path)
     front: list[str] = []
     for key, value in config.items():
+        if key == "tp":  # the command line's --tp is rewritten for vLLM; a file goes to vLLM as it is
+            raise GGUFModelError("--config: vLLM has no option tp (it stops on 'unrecognized arguments: --tp'); "
+                                 "write tensor-parallel-size (--tp is glm5serve's command-line spelling)", file=path)
         if isinstance(value, bool):
             front.append(f"--{key}" if value else f"--no-{key}")
         elif isinstance(value, list):
