@@ -871,7 +871,8 @@ def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp
     the file is refused naming that key, not opened as a model of one file."""
     path = tmp_path / "renamed.gguf"
     shutil.copy(tiny_split_checkpoint, path)
-    _one_line(["inspect", str(path)], capsys, path.name, "split.count=3 but the file name says 1 files")
+    _one_line(["inspect", str(path)], capsys, path.name, "split.count=3 but the file is not named as shard 1 of 3 "
+              "(NAME-00001-of-00003.gguf)")
     _verify_fail(path, capsys, path.name, "split.count=3")
 
 
