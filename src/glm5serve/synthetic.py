@@ -195,7 +195,7 @@ def add_parser(subparsers) -> None:
 
 def _run(args) -> int:
     out = Path(args.out)
-    if SPLIT_RE.match(out.name):  # every reader would look for the other shards of that set
+    if (m := SPLIT_RE.match(out.name)) and (int(m["no"]), int(m["count"])) != (1, 1):  # readers look for the rest
         raise GGUFModelError("named like a shard of a split set (...-0000k-of-0000n.gguf); a synthetic header is one "
                              "file: choose another name", file=str(out))
     refuse_existing(out, args.force)  # a dangling link was written through, creating its target

@@ -283,6 +283,11 @@ def test_synthetic_gguf_refuses_a_split_shard_name(tmp_path, capsys):
     assert err.strip() == f"glm5serve synthetic-gguf: {out}: named like a shard of a split set " \
                           "(...-0000k-of-0000n.gguf); a synthetic header is one file: choose another name"
     assert not out.exists()
+    # shard 1 of 1 is the whole set: every reader opens it as the one file it is
+    whole = tmp_path / "x-00001-of-00001.gguf"
+    assert main(["synthetic-gguf", str(whole), "--preset", "tiny"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["inspect", str(whole)]) == 0 and "glm-dsa" in capsys.readouterr().out
 
 
 def test_force_replaces_a_link_never_its_target(tmp_path, capsys):
