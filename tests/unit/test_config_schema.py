@@ -207,9 +207,10 @@ def test_gating_func_0_means_sigmoid_and_other_values_are_refused():
     reads an absent key; glm5serve refused such a file that llama.cpp runs (fresh-user finding)."""
     assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 0})).scoring_func == "sigmoid"
     assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 1})).scoring_func == "softmax"
-    for bad in (3, -1):
-        with pytest.raises(GGUFModelError, match=rf"expert_gating_func={bad} is neither softmax \(1\) nor sigmoid"):
-            config_from_metadata(_md(**{"glm-dsa.expert_gating_func": bad}))
+    with pytest.raises(GGUFModelError, match=r"expert_gating_func=3 is neither softmax \(1\) nor sigmoid"):
+        config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 3}))
+    with pytest.raises(GGUFModelError, match=r"expert_gating_func=-1 is negative"):  # a u32 key stored signed
+        config_from_metadata(_md(**{"glm-dsa.expert_gating_func": -1}))
 
 
 def test_missing_key_and_foreign_arch_are_one_line_errors():
@@ -345,7 +346,8 @@ def test_merge_kv_b_rejects_mismatched_parts(d):
 
 def test_config_from_a_path_and_block_counts_that_leave_no_layer(tiny_checkpoint, tmp_path):
     """``config_from_metadata`` takes a path as the tokenizer builder does; a block_count that leaves no main
-    layer (or a negative MTP count) is one GGUFModelError naming both keys, not transformers' validation error."""
+    layer is one GGUFModelError naming both keys, not transformers' validation error; a negative count (a u32 key
+    stored signed) is named by its own key."""
     from glm5serve.config import config_from_metadata
     from glm5serve.errors import GGUFModelError
     from glm5serve.gguf_file import GGUFModel
@@ -353,9 +355,10 @@ def test_config_from_a_path_and_block_counts_that_leave_no_layer(tiny_checkpoint
     model = GGUFModel(tiny_checkpoint)
     assert config_from_metadata(str(tiny_checkpoint)).to_dict() == config_from_metadata(model).to_dict()
     md = dict(model.metadata)
-    for blocks, mtp in ((-1, 1), (1, 1), (4, -1)):
+    for blocks, mtp, words in ((-1, 1, "block_count=-1 is negative"), (4, -1, "nextn_predict_layers=-1 is negative"),
+                               (1, 1, "block_count=1 with nextn_predict_layers=1 leaves 0 main layers")):
         md.update({"glm-dsa.block_count": blocks, "glm-dsa.nextn_predict_layers": mtp})
-        with pytest.raises(GGUFModelError, match=f"block_count={blocks} with nextn_predict_layers={mtp} leaves"):
+        with pytest.raises(GGUFModelError, match=words):
             config_from_metadata(md)
 
 
