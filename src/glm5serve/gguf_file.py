@@ -303,8 +303,11 @@ class GGUFModel:
                                  file=str(self.path))
         declared = metadata_value(SPLIT_COUNT, self.metadata.get(SPLIT_COUNT, 1), int, str(self.path))
         if declared != count and not (declared in (0, 1) and count == 1):  # 0: not split (llama.cpp's default)
-            names = (f"the file name says {count} files" if count > 1 else  # a shard renamed: part of a model
-                     f"the file is not named as shard 1 of {declared} (NAME-00001-of-{declared:05d}.gguf)")
+            no = self.metadata.get(SPLIT_NO)  # a shard renamed: part of a model, shard split.no + 1 of it
+            no = 0 if no is None else metadata_value(SPLIT_NO, no, int, str(self.path))
+            k = no + 1 if 0 <= no < declared else 1
+            names = (f"the file name says {count} files" if count > 1 else
+                     f"the file is not named as shard {k} of {declared} (NAME-{k:05d}-of-{declared:05d}.gguf)")
             raise GGUFModelError(f"{SPLIT_COUNT}={declared} but {names}", file=str(self.path))
         for i, (p, r) in enumerate(zip(self.paths, self.readers)):
             if count > 1:

@@ -874,6 +874,11 @@ def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp
     _one_line(["inspect", str(path)], capsys, path.name, "split.count=3 but the file is not named as shard 1 of 3 "
               "(NAME-00001-of-00003.gguf)")
     _verify_fail(path, capsys, path.name, "split.count=3")
+    # shard 2 renamed is named as shard 2 (its split.no + 1): renamed as shard 1, llama.cpp and glm5serve refuse it
+    second = tmp_path / "second.gguf"
+    shutil.copy(GGUFModel(tiny_split_checkpoint).paths[1], second)
+    _one_line(["inspect", str(second)], capsys, second.name, "split.count=3 but the file is not named as shard 2 of 3 "
+              "(NAME-00002-of-00003.gguf)")
 
 
 @pytest.mark.parametrize("bad_merge,words", [("zz qq", "tokenizer.ggml.merges: "),
