@@ -122,14 +122,14 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 
 def _refuse_rope_scaling(md: dict, path: str) -> None:
-    """Raise GGUFModelError for a file whose RoPE is scaled: ``rope.scaling.factor`` (or, where that key is
-    missing, the older ``rope.scale_linear``) other than 1 (0 or absent means 1, as in llama.cpp's ``load_hparams``:
-    ``freq_scale = 1 / factor``, the older key read only without the newer) unless ``rope.scaling.type`` is ``none`` (llama.cpp's ``llama_context`` then sets
-    ``freq_scale = 1``: "never scale if scaling type is none"), a ``rope.scaling.type`` llama.cpp does not know, or a
-    ``rope.scaling.attn_factor`` other than 1 (llama.cpp multiplies its ``yarn_attn_factor`` by it whatever the
-    type: the rotated parts of queries and keys and the glm-dsa ``kq_scale`` grow with it). GLM-5 has none, and
-    neither the reference nor the config given to vLLM applies one: such a file would run with plain RoPE,
-    silently."""
+    """Raise GGUFModelError for a file whose RoPE is scaled: ``rope.scaling.factor`` (or, where that key is missing, the
+    older ``rope.scale_linear``) other than 1 (0 or absent means 1, as in llama.cpp's ``load_hparams``: ``freq_scale
+    = 1 / factor``, the older key read only without the newer) unless ``rope.scaling.type`` is ``none`` (llama.cpp's
+    ``llama_context`` then sets ``freq_scale = 1``: "never scale if scaling type is none"), a ``rope.scaling.type``
+    llama.cpp does not know, or a ``rope.scaling.attn_factor`` other than 1 (llama.cpp multiplies its
+    ``yarn_attn_factor`` by it whatever the type: the rotated parts of queries and keys and the glm-dsa ``kq_scale``
+    grow with it). GLM-5 has none, and neither the reference nor the config given to vLLM applies one: such a file
+    would run with plain RoPE, silently."""
     kind = md.get(f"{ARCH}.rope.scaling.type")
     if kind is not None and (not isinstance(kind, str) or kind not in ROPE_SCALING_TYPES):
         raise GGUFModelError(f"{ARCH}.rope.scaling.type is {_short(kind)}, not one of "
@@ -163,15 +163,15 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     ``e_score_correction_bias`` only then), ``scoring_func``, ``rope_interleave`` and ``indexer_rope_interleave``
     (GLM-5 rotates adjacent pairs: ggml ROPE_TYPE_NORM).
 
-    Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a
-    key holds a value of the wrong type (naming the key and the type expected: ``tokenizer.ggml.tokens`` must be an
-    array, ``attention.indexer.types`` an array or one boolean), ``block_count`` names more blocks
-    than the model's ``blk.N`` tensors hold, or the keys contradict each other or cannot be run
-    (:func:`metadata_problems`, e.g. ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a
-    positive finite number; before the config is built: an odd ``rope.dimension_count``, a negative value
-    in any integer key (llama.cpp reads them as u32), a special token id outside the vocabulary, an ``attention.indexer.types``
-    name other than ``full``/``shared``, a RoPE scaling: :func:`_refuse_rope_scaling`), or when transformers'
-    ``GlmMoeDsaConfig`` rejects the values (its own message, one line).
+    Raises GGUFModelError naming the file when the architecture is not ``glm-dsa``, a required key is missing, a key
+    holds a value of the wrong type (naming the key and the type expected: ``tokenizer.ggml.tokens`` must be an
+    array, ``attention.indexer.types`` an array or one boolean), ``block_count`` names more blocks than the model's
+    ``blk.N`` tensors hold, or the keys contradict each other or cannot be run (:func:`metadata_problems`, e.g.
+    ``expert_used_count`` above ``expert_count``, a norm epsilon that is not a positive finite number; before the
+    config is built: an odd ``rope.dimension_count``, a negative value in any integer key (llama.cpp reads them as
+    u32), a special token id outside the vocabulary, an ``attention.indexer.types`` name other than
+    ``full``/``shared``, a RoPE scaling: :func:`_refuse_rope_scaling`), or when transformers' ``GlmMoeDsaConfig``
+    rejects the values (its own message, one line).
     """
     if isinstance(model, (str, os.PathLike)):
         model = GGUFModel(model)
