@@ -290,6 +290,16 @@ def test_options_in_a_config_file_are_read_as_vllm_reads_them(tiny_checkpoint, t
                                                "glm5serve's command-line spelling)")
     off = config("o.yaml", "enable-expert-parallel: false\npipeline-parallel-size: 1")
     assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", off]) == 0
+    # an abbreviated key (vLLM takes `tensor-parallel: 2`) is refused as on the command line, naming the file: the
+    # line named no file, so it read as the command line's
+    for text, name, full in (("tensor-parallel: 2", "--tensor-parallel", "--tensor-parallel-size"),
+                             ("enable_expert: true", "--enable_expert", "--enable-expert-parallel"),
+                             ("max-model: 64", "--max-model", "--max-model-len"),
+                             ("port: 8001\ntok: x", "--tok", "--tokenizer")):
+        short = config("short.yaml", text)
+        assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", short, "-tp", "2"]) == 2
+        assert capsys.readouterr().err.strip() == (f"glm5serve serve: {short}: --config: {name}: write {full} in full "
+                                                   "(glm5serve checks it before vLLM)"), text
 
 
 def test_a_config_file_vllm_cannot_use_is_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):

@@ -126,6 +126,12 @@ def max_model_len_option(args: list[str], file: str | None = None) -> int | None
     return n
 
 
+#: the options and flags ``serve`` reads (an abbreviation of one is refused: :func:`option`, :func:`flag`)
+_READ_OPTIONS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len", "--tokenizer",
+                 "--load-format", "--chat-template", "--attention-backend")
+_READ_FLAGS = ("--enable-expert-parallel", "--skip-tokenizer-init")
+
+
 def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
     """``args`` (what follows MODEL) as vLLM reads them, with the options of a ``--config FILE``, and FILE (None
     without one).
@@ -135,7 +141,8 @@ def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
     ``--key``, ``false`` -> ``--no-key``, a list -> ``--key item ...``, a mapping -> ``--key JSON``; the command
     line's options come after them, so one given there wins. Raises GGUFModelError naming FILE
     for one vLLM fails on (not ``.yaml``/``.yml``, unreadable, not a YAML mapping, a key ``tp``: glm5serve's
-    command-line spelling, which vLLM does not know), for ``--config`` twice or without a value, and for
+    command-line spelling, which vLLM does not know), for a key that abbreviates an option glm5serve reads (as on
+    the command line: :func:`option`), for ``--config`` twice or without a value, and for
     ``--config=FILE``, which vLLM takes but never reads."""
     import json
 
@@ -170,6 +177,13 @@ def with_config_file(args: list[str]) -> tuple[list[str], str | None]:
             front += [f"--{key}", *map(str, value)] if value else []
         else:
             front += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    try:  # an abbreviated key is refused where it is read, by then merged in: name its file here
+        for name in _READ_OPTIONS:
+            option(front, name)
+        for name in _READ_FLAGS:
+            flag(front, name)
+    except GGUFModelError as e:
+        raise GGUFModelError(f"--config: {e.reason}", file=path) from None
     i = args.index("--config")
     return front + args[:i] + args[i + 2:], path
 
