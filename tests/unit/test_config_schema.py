@@ -207,8 +207,12 @@ def test_gating_func_0_means_sigmoid_and_other_values_are_refused():
     reads an absent key; glm5serve refused such a file that llama.cpp runs (fresh-user finding)."""
     assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 0})).scoring_func == "sigmoid"
     assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 1})).scoring_func == "softmax"
-    with pytest.raises(GGUFModelError, match=r"expert_gating_func=3 is neither softmax \(1\) nor sigmoid"):
+    # 3 is llama.cpp's SOFTMAX_WEIGHT: named as such, not as a value no gating function has
+    with pytest.raises(GGUFModelError, match=r"expert_gating_func=3 is llama.cpp's SOFTMAX_WEIGHT \(softmax over the "
+                                             r"selected experts' logits\), which vLLM's GLM-5 router does not run"):
         config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 3}))
+    with pytest.raises(GGUFModelError, match=r"expert_gating_func=5 is neither softmax \(1\) nor sigmoid \(2, or 0\)"):
+        config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 5}))
     with pytest.raises(GGUFModelError, match=r"expert_gating_func=-1 is negative"):  # a u32 key stored signed
         config_from_metadata(_md(**{"glm-dsa.expert_gating_func": -1}))
 
