@@ -302,6 +302,8 @@ class GGUFModel:
             raise GGUFModelError(f"metadata key {SPLIT_COUNT} is missing from shard 1 of {count}",
                                  file=str(self.path))
         declared = metadata_value(SPLIT_COUNT, self.metadata.get(SPLIT_COUNT, 1), int, str(self.path))
+        if declared < 0:  # llama.cpp reads it as u16 ("wrong type"); the lines below would print shard 1 of -2
+            raise GGUFModelError(f"{SPLIT_COUNT}={declared} is negative", file=str(self.path))
         if declared != count and not (declared in (0, 1) and count == 1):  # 0: not split (llama.cpp's default)
             no = self.metadata.get(SPLIT_NO)  # a shard renamed: part of a model, shard split.no + 1 of it
             no = 0 if no is None else metadata_value(SPLIT_NO, no, int, str(self.path))

@@ -866,7 +866,7 @@ def test_a_split_set_without_its_split_count(edit, words, tiny_split_checkpoint,
     _verify_fail(first, capsys, words)
 
 
-def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, capsys):
+def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp_path, gguf_rewrite, capsys):
     """Shard 1 of a 3-file set copied under a plain name holds a third of the tensors; its split.count says so, and
     the file is refused naming that key, not opened as a model of one file."""
     path = tmp_path / "renamed.gguf"
@@ -879,6 +879,14 @@ def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp
     shutil.copy(GGUFModel(tiny_split_checkpoint).paths[1], second)
     _one_line(["inspect", str(second)], capsys, second.name, "split.count=3 but the file is not named as shard 2 of 3 "
               "(NAME-00002-of-00003.gguf)")
+    # a negative count (stored signed; llama.cpp wants u16) is named as such: the line said "shard 1 of -2
+    # (NAME-00001-of--0002.gguf)"
+    from gguf import GGUFValueType
+
+    negative = gguf_rewrite(tiny_split_checkpoint, tmp_path / "negative.gguf",
+                            set_keys={"split.count": (-2, GGUFValueType.INT16)})
+    line = _one_line(["inspect", str(negative)], capsys, negative.name, "split.count=-2 is negative")
+    assert "shard" not in line.replace(str(negative), "")  # the test's temp folder is named after it
 
 
 @pytest.mark.parametrize("bad_merge,words", [("zz qq", "tokenizer.ggml.merges: "),
