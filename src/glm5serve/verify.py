@@ -222,7 +222,10 @@ def _sample_rows(n_rows: int, n: int = SAMPLE_ROWS) -> np.ndarray:
 def check_finite(ctx: Context) -> list[Check]:
     """Every tensor dequantizes to finite values, and no weight matrix or norm weight to zeros alone
     (:func:`~glm5serve.dequant.zero_refused`: a file whose tail was never downloaded): whole tensors up to
-    FULL_CHECK_BYTES, else SAMPLE_ROWS rows. Fails for a ``synthetic-gguf`` header: its data section is a hole that
+    FULL_CHECK_BYTES, else SAMPLE_ROWS rows. Zero is judged on values, as the reference engine judges the fp32 it
+    loads, not on bytes: BF16/F16/F32 -0.0 is zero, and so is a block whose fp16 scales make every value 0 whatever
+    its codes (Q4_K ``d * sc * q - dmin * m`` with d = dmin = 0; gguf-py ``gguf/quants.py``); the rows read are
+    dequantized for the finite check anyway. Fails for a ``synthetic-gguf`` header: its data section is a hole that
     reads as zeros, not weights."""
     from glm5serve.dequant import dequantize, zero_refused
     from glm5serve.synthetic import LOAD_FORMAT, is_synthetic
@@ -241,22 +244,25 @@ def check_finite(ctx: Context) -> list[Check]:
         else:
             idx = None
         rows = np.ascontiguousarray(rows)
-        if t.qtype in (Q.F32, Q.F16):
-            bad = ~np.isfinite(rows)
-        elif t.qtype == Q.BF16:  # all-ones exponent: inf or NaN (no need to widen to fp32)
-            bad = (rows.view(np.uint16) & 0x7F80) == 0x7F80
-        else:
+        if t.qtype in (Q.F32, Q.F16):  # typed values: -0.0 is zero to any(), as to the reference's t.any()
+            bad, nonzero = ~np.isfinite(rows), bool(rows.any())
+        elif t.qtype == Q.BF16:  # uint16 words; all-ones exponent: inf or NaN (no need to widen to fp32)
+            words = rows.view(np.uint16)
+            bad = (words & 0x7F80) == 0x7F80
+            nonzero = bool((words & 0x7FFF).any())  # sign bit masked off: -0.0 (0x8000) is zero, as in fp32
+        else:  # block types: the rows' values, as the reference reads them (zero scales zero nonzero codes)
             try:
-                bad = (~dequantize(rows, t.qtype).isfinite()).numpy()
+                values = dequantize(rows, t.qtype)
             except GGUFModelError as e:
                 return [_fail("finite", e.reason, file=t.file, tensor=t.name)]
+            bad, nonzero = (~values.isfinite()).numpy(), bool(values.any())
         if bad.any():
             r, c = (int(x[0]) for x in bad.nonzero())
             row = int(idx[r]) if idx is not None else r
             block = GGML_QUANT_SIZES[t.qtype][0]
             return [_fail("finite", f"non-finite value after dequantization (row {row}, block {c // block})",
                           file=t.file, tensor=t.name)]
-        if (why := zero_refused(t.name, t.shape)) and not rows.any():  # zero bytes: zero values in every type
+        if (why := zero_refused(t.name, t.shape)) and not nonzero:  # every value read is +-0, not just every byte
             what = "every value" if idx is None else f"every value of {len(idx)} sampled rows"
             return [_fail("finite", f"{what} {why}", file=t.file, tensor=t.name)]
     how = (f"{len(ctx.model) - sampled} in full, {sampled} large ones on {SAMPLE_ROWS} sampled rows each"

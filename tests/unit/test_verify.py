@@ -3,12 +3,13 @@ TP incompatibilities, inconsistent metadata and non-finite values (sampled rows 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import struct
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from glm5serve import schema, verify as verify_mod
 from glm5serve.config import config_from_metadata
@@ -196,6 +197,98 @@ def test_a_zero_bias_passes_and_a_zero_matrix_fails(tiny_checkpoint, tmp_path, g
     (line,) = _failures(verify(bad, 1, [*HEADER, verify_mod.check_finite]))
     rows = len(verify_mod._sample_rows(gate.shape[0]))
     assert f"{gate.name}: every value of {rows} sampled rows is zero" in line, line
+
+
+#: one block's fp16 scale ``d``, its fp16 min (``dmin``; ``m`` of Q4_1/Q5_1) or None, and its packed sub-block
+#: scales (and mins) or None, as (start, stop) byte ranges (gguf-py ``gguf/quants.py`` ``dequantize_blocks``, ggml
+#: ``ggml-common.h`` ``block_*``). Values: Q4_0/Q5_0 ``d * (q - 8 | 16)``, Q8_0 ``d * q``, Q4_1/Q5_1 ``d * q + m``,
+#: Q3_K ``d * (sc - 32) * q``, Q6_K ``d * sc * q``, Q2_K/Q4_K/Q5_K ``d * sc * q - dmin * m``.
+_BLOCK_FIELDS = {
+    Q.Q4_0: ((0, 2), None, None), Q.Q4_1: ((0, 2), (2, 4), None), Q.Q5_0: ((0, 2), None, None),
+    Q.Q5_1: ((0, 2), (2, 4), None), Q.Q8_0: ((0, 2), None, None), Q.Q2_K: ((80, 82), (82, 84), (0, 16)),
+    Q.Q3_K: ((108, 110), None, (96, 108)), Q.Q4_K: ((0, 2), (2, 4), (4, 16)), Q.Q5_K: ((0, 2), (2, 4), (4, 16)),
+    Q.Q6_K: ((208, 210), None, (192, 208)),
+}
+
+
+def _blocks(qtype, shape, d: float, dmin: float, sub: bool) -> np.ndarray:
+    """``uint8 (*shape[:-1], row_bytes)`` of ``qtype`` blocks: random nonzero bytes (codes, ``qh``, sub-scales), then
+    every block's fp16 ``d`` and ``dmin`` set to the values given and, unless ``sub``, its sub-scales zeroed."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(1, 256, (*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    (d0, d1), min_at, sub_at = _BLOCK_FIELDS[qtype]
+    blocks[:, d0:d1] = np.float16(d).reshape(1).view(np.uint8)
+    if min_at:
+        blocks[:, min_at[0]:min_at[1]] = np.float16(dmin).reshape(1).view(np.uint8)
+    if sub_at and not sub:
+        blocks[:, sub_at[0]:sub_at[1]] = 0
+    return raw
+
+
+@pytest.mark.parametrize("qtype", list(_BLOCK_FIELDS), ids=lambda q: q.name)
+def test_blocks_whose_values_are_zero_fail_though_their_bytes_are_not(qtype, tiny_checkpoint, tmp_path,
+                                                                       gguf_rewrite):
+    """Blocks whose scale d (and dmin) is 0 dequantize to zeros whatever their code bytes (not one of which is 0
+    here): a weight matrix the reference refuses (``dequant.zero_refused``), which verify, reading bytes, passed.
+    A d of 0 with a nonzero dmin and nonzero mins (``- dmin * m``; Q4_1/Q5_1: ``+ m``) is not zero and passes; with
+    the mins zeroed, or a nonzero d with zeroed sub-scales (not Q3_K: its are stored + 32), it is zero again. Each
+    case as gguf-py dequantizes it, and as the reference engine loads it (the same FAIL text, or a model)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.reference import ReferenceModel
+
+    name = "blk.1.ffn_up_shexp.weight"  # (256, 256): one block type as good as another
+    shape = GGUFModel(tiny_checkpoint)[name].shape
+    has_min, has_sub = _BLOCK_FIELDS[qtype][1] is not None, _BLOCK_FIELDS[qtype][2] is not None
+    cases = [(0.0, 0.0, True, True)]  # (d, dmin, keep sub-scales, every value zero)
+    cases += [(0.0, 1.0, True, False)] if has_min else []
+    cases += [(0.0, 1.0, False, True)] if has_min and has_sub else []
+    cases += [(1.0, 1.0, False, qtype != Q.Q3_K)] if has_sub else []
+    for i, (d, dmin, sub, zero) in enumerate(cases):
+        raw = _blocks(qtype, shape, d, dmin, sub)
+        assert zero == (not gguf_dequantize(raw, qtype).any()), (d, dmin, sub)  # the formulas, as gguf-py has them
+        path = gguf_rewrite(tiny_checkpoint, tmp_path / f"{qtype.name}-{i}.gguf", replace={name: (raw, qtype)})
+        failures = _failures(verify(path, 1, [*HEADER, verify_mod.check_finite]))
+        if zero:
+            why = f"{name}: every value is zero, which no trained weight matrix is"
+            assert len(failures) == 1 and failures[0].startswith("FAIL") and f"{path}: {why}" in failures[0], \
+                (d, dmin, sub, failures)
+            with pytest.raises(GGUFModelError, match=re.escape(why)):
+                ReferenceModel.from_gguf(path)
+        else:
+            assert not failures, (d, dmin, sub, failures)
+            ReferenceModel.from_gguf(path)
+
+
+def test_a_bf16_matrix_of_negative_zeros_fails(tiny_bf16_checkpoint, tmp_path, gguf_rewrite, monkeypatch):
+    """-0.0 (BF16 0x8000, F16 0x8000, F32 0x80000000: nonzero bytes) is a zero value to the reference engine, which
+    refuses a weight matrix of them; verify passed a BF16 one (its raw words are not 0). F16 and F32 arrive typed,
+    so ``any()`` already took -0.0 for 0: they are here so that stays so. A large tensor's sampled rows are named;
+    one smallest -0.0 neighbour (0x8001, a negative subnormal) is not zero."""
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.reference import ReferenceModel
+
+    name = "blk.1.ffn_up_shexp.weight"
+    shape = GGUFModel(tiny_bf16_checkpoint)[name].shape
+    neg_zero = {Q.BF16: np.full(shape, 0x8000, np.uint16).view(np.uint8), Q.F16: np.full(shape, -0.0, np.float16),
+                Q.F32: np.full(shape, -0.0, np.float32)}
+    why = f"{name}: every value is zero, which no trained weight matrix is"
+    for qtype, raw in neg_zero.items():
+        path = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / f"{qtype.name}.gguf", replace={name: (raw, qtype)})
+        (line,) = _failures(verify(path, 1, [*HEADER, verify_mod.check_finite]))
+        assert line.startswith("FAIL") and f"{path}: {why}" in line, (qtype.name, line)
+        with pytest.raises(GGUFModelError, match=re.escape(why)):
+            ReferenceModel.from_gguf(path)
+    raw = neg_zero[Q.BF16].copy()
+    raw.view(np.uint16)[-1, -1] = 0x8001
+    ok = gguf_rewrite(tiny_bf16_checkpoint, tmp_path / "subnormal.gguf", replace={name: (raw, Q.BF16)})
+    assert not _failures(verify(ok, 1, [*HEADER, verify_mod.check_finite]))
+    monkeypatch.setattr(verify_mod, "FULL_CHECK_BYTES", 1024)
+    (line,) = _failures(verify(tmp_path / "BF16.gguf", 1, [*HEADER, verify_mod.check_finite]))
+    rows = len(verify_mod._sample_rows(shape[0]))
+    assert f"{name}: every value of {rows} sampled rows is zero" in line, line
 
 
 def test_sample_rows_cover_both_ends():
