@@ -195,4 +195,12 @@ FAULTS: tuple[Fault, ...] = (
           "src/glm5serve/bench.py",
           (("same = json.dumps(rec, sort_keys=True)", "same = json.dumps(rec)"),),
           (U + "test_bench_command.py::test_projection_refuses_records_that_do_not_belong_together",)),
+    Fault("verify-zero-bf16-sign", "bad input", "verify passes a BF16 weight matrix of -0.0 (words 0x8000), which "
+          "the reference refuses as zero", "src/glm5serve/verify.py",
+          (("nonzero = bool((words & 0x7FFF).any())", "nonzero = bool(words.any())"),),
+          (U + "test_verify.py::test_a_bf16_matrix_of_negative_zeros_fails",)),
+    Fault("verify-zero-block-bytes", "bad input", "verify passes blocks whose scales are 0 but codes are not (zero "
+          "values, refused by the reference): it reads bytes", "src/glm5serve/verify.py",
+          (("bool(values.any())", "bool(rows.any())"),),
+          (U + "test_verify.py::test_blocks_whose_values_are_zero_fail_though_their_bytes_are_not",)),
 )
