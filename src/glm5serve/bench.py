@@ -22,8 +22,9 @@ prefill); TP rank 0's CUDA kernel time is grouped by kernel name (:func:`kernel_
 indexer, KV-cache writes, rotary), MoE (routed experts and routing), GEMM (every other linear layer: the shared
 expert, dense MLPs, projections, MLA's absorbed ``bmm``), all-reduce and other, as µs per decode step and fractions.
 
-``--projection RESULT.json ...``: a linear projection (:func:`project`), printed and stored as a projection, never as
-a measurement: step time to 78 layers from runs at two or more layer counts, and to TP=8 from TP=1 and TP=2.
+``--projection RESULT.json ...`` (without MODEL): a linear projection (:func:`project`), printed and stored as a
+projection, never as a measurement: step time to 78 layers from runs at two or more layer counts, and to TP=8 from TP=1
+and TP=2.
 """
 from __future__ import annotations
 
@@ -543,7 +544,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workdir", help="engine logs, specs and traces (default: a temporary folder)")
     p.add_argument("--json", help="write the record (or the projection) here")
     p.add_argument("--projection", nargs="+", metavar="RESULT.json",
-                   help="instead of running: project bench records to --target-layers at --target-tp")
+                   help="instead of running (no MODEL): project bench records to --target-layers at --target-tp")
     p.add_argument("--target-layers", type=int, default=78, help="layers to project to (default 78: GLM-5)")
     p.add_argument("--target-tp", type=int, default=8, help="TP size to project to, >= 3 (default 8)")
     p.add_argument("--basis", choices=("step", "gpu"), default="step",
@@ -671,6 +672,9 @@ def _same_file(a, b) -> bool:
 
 def _run(args) -> int:
     if args.projection:
+        if args.model is not None:  # it was ignored without a word: the projection printed as if MODEL were measured
+            raise GGUFModelError("--projection runs nothing, so this MODEL would not be measured: leave it out to "
+                                 "project the records, or leave out --projection to measure it", file=str(args.model))
         if args.target_layers < 1:
             raise GGUFModelError("--target-layers must be >= 1")
         if args.target_layers > MAX_TARGET_LAYERS:  # a count past float's range overflowed in the projection

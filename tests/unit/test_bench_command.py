@@ -304,6 +304,22 @@ def test_projection_command_prints_and_writes_a_labelled_projection(tmp_path, ca
     assert json.loads(out.read_text())["label"] == "projection (not a measurement)"
 
 
+def test_projection_refuses_a_model_it_would_not_measure(tmp_path, capsys, tiny_checkpoint):
+    """Fresh-user finding: ``bench MODEL --projection R.json ... --json OUT`` printed (and wrote to OUT) the
+    projection of the records alone, exit 0, as if MODEL had been measured and counted in it."""
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_record(4, 1)))
+    out = tmp_path / "out.json"
+    assert main(["bench", str(tiny_checkpoint), "--projection", str(f), "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"glm5serve bench: {tiny_checkpoint}: --projection runs nothing, so this MODEL "
+                                    "would not be measured: leave it out to project the records, or leave out "
+                                    "--projection to measure it") and not captured.out
+    assert not out.exists()
+    assert main(["bench", "--projection", str(f), "--json", str(out)]) == 0  # without MODEL: projected as before
+    assert out.exists()
+
+
 def test_bench_max_model_len_defaults_to_what_the_gguf_holds(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """Tester finding: the default --max-model-len 1024 passed the checks on the tiny checkpoint (context_length
     512) and would only fail inside vLLM ("User-specified max_model_len (1024) is greater than the derived
