@@ -420,9 +420,9 @@ def refuse_existing(path: Path, force: bool) -> None:
     if not os.path.lexists(path):
         return
     if not (path.is_symlink() or stat.S_ISREG(path.lstat().st_mode)):
-        raise GGUFModelError(f"{path}: exists and is not a regular file (--force replaces only files and links)")
+        raise GGUFModelError("exists and is not a regular file (--force replaces only files and links)", file=str(path))
     if not force:
-        raise GGUFModelError(f"{path}: exists (--force overwrites it)")
+        raise GGUFModelError("exists (--force overwrites it)", file=str(path))
 
 
 def _tmp_prefix() -> str:
@@ -668,7 +668,7 @@ def _run(args) -> int:
         raise GGUFModelError("empty path: name the directory to write into")
     out_dir = Path(args.out_dir)
     if os.path.lexists(out_dir) and not out_dir.is_dir():  # mkdir said only "File exists"
-        raise GGUFModelError(f"{out_dir}: not a directory")
+        raise GGUFModelError("not a directory", file=str(out_dir))
     # as synthetic-gguf: a checkpoint already there (perhaps with other weights, made by another version) is kept
     # unless asked; --force replaces the name (a symbolic link itself, not its target), never a directory
     for f in checkpoint_files(out_dir, checkpoint_name(args.preset, args.mix, args.seed), max(args.split, 1)):

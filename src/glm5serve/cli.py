@@ -16,7 +16,7 @@ import sys
 import threading
 
 from glm5serve import __version__
-from glm5serve.errors import GGUFModelError
+from glm5serve.errors import GGUFModelError, one_line
 
 #: sub-command -> the module that registers it; only the named command's module is imported (torch and
 #: transformers cost seconds, ``inspect`` needs neither), all of them for ``--help`` or an unknown command
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:  # an output path that cannot be written, a file that vanished: one line too
-        where = f"{e.filename}: " if e.filename else ""
+        where = f"{one_line(str(e.filename))}: " if e.filename else ""
         print(f"glm5serve {args.command}: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 

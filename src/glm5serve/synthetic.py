@@ -200,7 +200,7 @@ def _run(args) -> int:
                              "file: choose another name", file=str(out))
     refuse_existing(out, args.force)  # a dangling link was written through, creating its target
     if not out.parent.is_dir():
-        raise GGUFModelError(f"{out.parent}: " + ("not a directory" if out.parent.exists() else "no such directory"))
+        raise GGUFModelError("not a directory" if out.parent.exists() else "no such directory", file=str(out.parent))
     try:
         path = write_header(args.out, args.preset, args.layers, args.mix)
     except ValueError as e:

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from glm5serve import schema
 from glm5serve.config import ARCH, config_from_metadata
-from glm5serve.errors import GGUFModelError
+from glm5serve.errors import GGUFModelError, one_line
 from glm5serve.gguf_file import GGUFModel
 
 FULL_CHECK_BYTES = 16 << 20
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         results += engine
     failed = [c for c in results if not c.ok]
     print(f"verify: {'FAILED' if failed else 'OK'} ({len(results) - len(failed)}/{len(results)} checks passed, "
-          f"TP={args.tp}) {args.model}")
+          f"TP={args.tp}) {one_line(args.model)}")
     return 1 if failed else 0
 
 

@@ -950,3 +950,25 @@ def test_serve_refuses_a_gguf_without_its_tokenizer(key, tiny_checkpoint, tmp_pa
         assert " ".join(extra) in capsys.readouterr().out
     _one_line(["serve", str(path), "--dry-run", "--skip-tokenizer-init", "--no-skip-tokenizer-init"], capsys,
               path.name, "tokenizer")
+
+
+def test_a_control_character_in_a_file_or_tensor_name_stays_on_the_one_line(tiny_checkpoint, tmp_path, gguf_rewrite,
+                                                                             capsys):
+    """Fresh-user finding: a newline in a path (a folder named so) or in a tensor name split the one error line in
+    two (verify's FAIL line and verdict too); the name is now shown with the newline escaped, as ``\\n``."""
+    folder = tmp_path / "new\nline é"
+    folder.mkdir()
+    missing, file = folder / "missing.gguf", folder / "file"
+    file.write_text("")
+    shown, shown_file = (str(p).replace("\n", "\\n") for p in (missing, file))
+    assert _one_line(["inspect", str(missing)], capsys).strip() == f"glm5serve inspect: {shown}: no such file"
+    assert main(["verify", str(missing)]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"FAIL  files      {shown}: no such file",
+                                                    f"verify: FAILED (0/1 checks passed, TP=1) {shown}"]
+    assert _one_line(["make-checkpoint", str(file)], capsys).strip() == (
+        f"glm5serve make-checkpoint: {shown_file}: not a directory")
+    path = gguf_rewrite(tiny_checkpoint, tmp_path / "t.gguf", add={"blk.0.odd\nname": (np.ones(32, np.float32), Q.F32)})
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert all(line.startswith(("PASS", "FAIL", "verify:")) for line in out.splitlines()), out
+    _verify_fail(path, capsys, "blk.0.odd\\nname: unknown tensor")
