@@ -34,6 +34,16 @@ def test_serve_execs_vllms_server_with_the_arguments_unchanged(tiny_checkpoint, 
     assert "attention backend: FLASHMLA_SPARSE (--attention-backend)" in capsys.readouterr().out
 
 
+def test_serve_help_says_how_tp_reaches_vllm():
+    """Fresh-user finding: ``serve --help`` said every vLLM argument is passed on unchanged, but ``--tp N`` (the
+    spelling glm5serve's other commands take, which vLLM refuses) reaches vLLM as ``--tensor-parallel-size N``."""
+    from glm5serve.cli import build_parser
+
+    command = next(a for a in build_parser("serve")._actions if a.dest == "command")
+    (args,) = [a for a in command.choices["serve"]._actions if a.dest == "vllm_args"]
+    assert "but --tp N as --tensor-parallel-size N" in args.help and "--tp N" in serve.__doc__
+
+
 def test_a_tp_verify_rejects_is_refused_with_its_message(tiny_checkpoint, capsys):
     from glm5serve.verify import verify
 

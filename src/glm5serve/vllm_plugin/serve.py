@@ -1,7 +1,8 @@
 """``glm5serve serve MODEL [vLLM args...]``: print the resolved settings, then start vLLM's OpenAI-compatible server.
 
 A thin wrapper: every argument after MODEL goes to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` unchanged
-(the same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
+but ``--tp N`` (glm5serve's spelling, given to vLLM as ``--tensor-parallel-size N``), ``--dry-run`` and ``--`` (the
+same as ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF
 load). Before handing over it runs ``glm5serve verify --tp``'s metadata, tokenizer, tensor, type and TP checks (not
 its finite-values check, which reads every weight), refuses what would fail only once vLLM has started (pipeline or
 expert parallelism, a ``--max-model-len`` above the GGUF's context length), reading the options as vLLM does, a
@@ -31,7 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("model", help="GGUF file or shard 1 of a split set")
     p.add_argument("--dry-run", action="store_true", help="print the settings and the vLLM command, start nothing")
     # argparse marks every REMAINDER positional required, so a missing MODEL was reported as "model, vllm_args"
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged").required = False
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to `vllm serve` unchanged, but --tp N as "
+                   "--tensor-parallel-size N").required = False
     p.set_defaults(func=run)
 
 
