@@ -670,6 +670,21 @@ def _same_file(a, b) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+def _check_json(path, model) -> None:
+    """Refuse, before any engine starts, a ``--json`` the record is written to only after the first engine's minutes:
+    one that names ``model`` or one of its shards (by any name: the record overwrote the GGUF), a folder, or a path
+    below a file (GGUFModelError naming it)."""
+    from glm5serve.gguf_file import split_paths
+
+    p = Path(path)
+    if any(_same_file(p, f) for f in split_paths(model)):
+        raise GGUFModelError("--json names the model being measured: the record would overwrite it", file=str(p))
+    if p.is_dir():
+        raise GGUFModelError("--json names a folder: the record is written to a file", file=str(p))
+    if above := next((q for q in p.parents if q.exists() and not q.is_dir()), None):
+        raise GGUFModelError(f"--json: {above} is not a folder, so the record cannot be written there", file=str(p))
+
+
 def _run(args) -> int:
     if args.projection:
         if args.model is not None:  # it was ignored without a word: the projection printed as if MODEL were measured
@@ -703,6 +718,8 @@ def _run(args) -> int:
         if not 0 < args.timeout < math.inf:
             raise GGUFModelError(f"--timeout must be a positive number of seconds, not {args.timeout}")
         args.max_model_len = _check_runnable(args)
+        if args.json:
+            _check_json(args.json, args.model)
         out = bench(args.model, modes=args.modes, concurrency=args.concurrency, tp=args.tp,
                     load_format=args.load_format, graphs_mode=args.graphs_mode, input_len=args.input_len,
                     output_len=args.output_len, max_model_len=args.max_model_len, repeats=args.repeats,

@@ -320,6 +320,38 @@ def test_projection_refuses_a_model_it_would_not_measure(tmp_path, capsys, tiny_
     assert out.exists()
 
 
+def test_bench_refuses_a_json_it_could_not_write_before_any_engine_starts(tiny_split_checkpoint, tmp_path,
+                                                                         monkeypatch, capsys):
+    """Fresh-user finding: ``bench MODEL --json MODEL`` (or a shard of it, or a link to it) overwrote the GGUF with
+    the record once the first engine had run; a --json that is a folder or lies below a file failed only then,
+    after minutes of GPU time. Each is refused in one line naming it, before any engine starts."""
+    import shutil
+
+    import glm5serve.vllm_plugin as plugin
+
+    ran = []
+    monkeypatch.setattr(plugin, "require_gpus", lambda tp: None)  # as on a GPU host
+    monkeypatch.setattr(bench, "bench", lambda model, **kw: ran.append(model) or {"runs": []})
+    monkeypatch.setattr(bench, "format_record", lambda rec: "")
+    model = Path(shutil.copytree(tiny_split_checkpoint.parent, tmp_path / "set")) / tiny_split_checkpoint.name
+    shard2 = model.with_name(model.name.replace("00001-of", "00002-of"))
+    (tmp_path / "link.gguf").symlink_to(shard2)
+    (tmp_path / "file").write_text("")
+    before = shard2.read_bytes()
+    for target, why in ((model, "--json names the model being measured"),
+                        (shard2, "--json names the model being measured"),
+                        (tmp_path / "link.gguf", "--json names the model being measured"),
+                        (tmp_path, "--json names a folder"),
+                        (tmp_path / "file" / "r.json", f"--json: {tmp_path / 'file'} is not a folder")):
+        assert main(["bench", str(model), "--json", str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip().startswith(f"glm5serve bench: {target}: {why}"), captured.err
+        assert captured.err.count("\n") == 1 and not ran
+    assert shard2.read_bytes() == before
+    assert main(["bench", str(model), "--json", str(tmp_path / "new" / "r.json")]) == 0
+    assert ran == [str(model)] and (tmp_path / "new" / "r.json").is_file()
+
+
 def test_bench_max_model_len_defaults_to_what_the_gguf_holds(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """Tester finding: the default --max-model-len 1024 passed the checks on the tiny checkpoint (context_length
     512) and would only fail inside vLLM ("User-specified max_model_len (1024) is greater than the derived
