@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, gguf_reader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, gguf_reader
 
 from glm5serve.errors import GGUFModelError
 
@@ -140,10 +140,28 @@ class _TensorProblem(Exception):
         self.tensor, self.reason = tensor, reason
 
 
+class _HeaderProblem(ValueError):
+    """A metadata value that cannot be in the file (said in words of its own, not gguf-py's)."""
+
+
 class _Reader(GGUFReader):
     """gguf-py's reader, plus the per-tensor checks llama.cpp's ``gguf_init_from_file_impl`` (ggml/src/gguf.cpp)
     makes, each naming the tensor: a known type, rows that are whole blocks, data that starts exactly where the
-    previous tensor's padded data ends (so no two tensors overlap), and data inside the file."""
+    previous tensor's padded data ends (so no two tensors overlap), and data inside the file; and a metadata array
+    that the rest of the file cannot hold is refused before it is read."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        # gguf-py reads an array of numbers element by element; past the end of the file a read is empty and does
+        # not advance, so a count garbled to 2**60 looped (growing a list) until memory ran out; gguf.cpp's read
+        # fails at the end (an array of strings or arrays fails in gguf-py too, at its first element past the end)
+        if raw_type == GGUFValueType.ARRAY:
+            itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            scalar = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0]))) if len(itype) else None
+            left = max(len(self.data) - orig_offs - 12, 0)
+            if scalar is not None and len(count) and int(count[0]) * np.dtype(scalar).itemsize > left:
+                raise _HeaderProblem(f"a metadata array declares {int(count[0])} {GGUFValueType(int(itype[0])).name} "
+                                     f"values, more than the {left} bytes left in the file hold")
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
         # gguf-py's loop, naming the tensor whose name is not UTF-8 (its "'utf-8' codec can't decode" names none)
@@ -208,6 +226,9 @@ def _open_reader(path: Path) -> GGUFReader:
         return reader
     except _TensorProblem as e:
         raise GGUFModelError(e.reason, file=str(path), tensor=e.tensor) from None
+    except _HeaderProblem as e:
+        raise GGUFModelError(f"not a readable GGUF file: header truncated or corrupt: {_header_extent(path)} ({e})",
+                             file=str(path)) from None
     except OSError as e:
         raise GGUFModelError(f"not a readable GGUF file ({type(e).__name__}: {e})", file=str(path)) from None
     except (ValueError, IndexError, KeyError, UnicodeDecodeError, struct.error) as e:

@@ -972,3 +972,28 @@ def test_a_control_character_in_a_file_or_tensor_name_stays_on_the_one_line(tiny
     out = capsys.readouterr().out
     assert all(line.startswith(("PASS", "FAIL", "verify:")) for line in out.splitlines()), out
     _verify_fail(path, capsys, "blk.0.odd\\nname: unknown tensor")
+
+
+def test_a_metadata_array_longer_than_the_file_is_refused_not_read_for_ever(tiny_checkpoint, tmp_path):
+    """Fresh-user finding: an array of numbers whose count is garbled (here tokenizer.ggml.token_type's, to 2**60)
+    made gguf-py read it element by element to the end of the file, its memory growing -- 20 s for this 8 MB file,
+    hours for a 50 GB shard, for ever where the elements end on the file's end (a UINT8 array: reads past it are
+    empty) -- and then say "When changing to a larger dtype..."; gguf.cpp's read fails at the end of the file. It
+    is refused at once, in one line naming the file and the count."""
+    path = tmp_path / "garbled.gguf"
+    shutil.copy(tiny_checkpoint, path)
+    r = GGUFReader(path)
+    f = r.fields["tokenizer.ggml.token_type"]
+    offset = f.offset + sum(p.nbytes for p in f.parts[:4])  # key length, key, value type, element type -> count
+    del r
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(struct.pack("<Q", 2**60))
+    for command, rc in (("inspect", 2), ("verify", 1)):  # in a child: without the check it never ends
+        proc = subprocess.run([sys.executable, "-m", "glm5serve.cli", command, str(path)], capture_output=True,
+                              text=True, timeout=60)
+        lines = proc.stderr.splitlines() if command == "inspect" else [x for x in proc.stdout.splitlines()
+                                                                         if x.startswith("FAIL")]
+        assert proc.returncode == rc and len(lines) == 1 and "Traceback" not in proc.stderr, proc
+        assert f"{path}: not a readable GGUF file: header truncated or corrupt: the file is " in lines[0]
+        assert f"(a metadata array declares {2**60} INT32 values, more than the " in lines[0], lines[0]
