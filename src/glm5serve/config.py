@@ -223,8 +223,8 @@ def config_from_metadata(model) -> GlmMoeDsaConfig:
     gating = opt("expert_gating_func", GATING_SIGMOID) or GATING_SIGMOID
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         # 3: llama.cpp's SOFTMAX_WEIGHT (llama-hparams.h): softmax over the selected experts' logits (build_moe_ffn)
-        what = ("llama.cpp's SOFTMAX_WEIGHT (softmax over the selected experts' logits), which vLLM's GLM-5 router does "
-                "not run; glm5serve runs softmax (1) and" if gating == 3 else "neither softmax (1) nor")
+        what = ("llama.cpp's SOFTMAX_WEIGHT (softmax over the selected experts' logits), which vLLM's GLM-5 router "
+                "does not run; glm5serve runs softmax (1) and" if gating == 3 else "neither softmax (1) nor")
         raise GGUFModelError(f"{ARCH}.expert_gating_func={gating} is {what} sigmoid (2, or 0)", file=path)
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is not None and (isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__")):

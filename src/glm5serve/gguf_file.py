@@ -150,10 +150,11 @@ class _Reader(GGUFReader):
     previous tensor's padded data ends (so no two tensors overlap), and data inside the file; and a metadata array
     that the rest of the file cannot hold is refused before it is read."""
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
+    def _get_field_parts(self, orig_offs: int, raw_type: int, *more, **named):  # more: a later gguf's depth (#28880)
         # gguf-py reads an array of numbers element by element; past the end of the file a read is empty and does
         # not advance, so a count garbled to 2**60 looped (growing a list) until memory ran out; gguf.cpp's read
-        # fails at the end (an array of strings or arrays fails in gguf-py too, at its first element past the end)
+        # fails at the end (an array of strings or arrays fails in gguf-py too, at its first element past the end).
+        # Upstream: ggml-org/llama.cpp PR #27188 ("gguf-py : add size guards to GGUFReader"), not in gguf 0.19.0
         if raw_type == GGUFValueType.ARRAY:
             itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
             scalar = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0]))) if len(itype) else None
@@ -161,7 +162,7 @@ class _Reader(GGUFReader):
             if scalar is not None and len(count) and int(count[0]) * np.dtype(scalar).itemsize > left:
                 raise _HeaderProblem(f"a metadata array declares {int(count[0])} {GGUFValueType(int(itype[0])).name} "
                                      f"values, more than the {left} bytes left in the file hold")
-        return super()._get_field_parts(orig_offs, raw_type)
+        return super()._get_field_parts(orig_offs, raw_type, *more, **named)
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
         # gguf-py's loop, naming the tensor whose name is not UTF-8 (its "'utf-8' codec can't decode" names none)
