@@ -3,8 +3,8 @@
 A thin wrapper: the arguments after MODEL go to ``python -m vllm.entrypoints.cli.main serve MODEL ...`` (the same as
 ``vllm serve MODEL ...``, which works too: the ``glm5serve`` vLLM plugin is what makes a GLM-5 GGUF load) unchanged,
 but for ``--tp N`` (glm5serve's spelling, given to vLLM as ``--tensor-parallel-size N``) and ``--dry-run`` and ``--``
-(taken out). Before handing over it runs ``glm5serve verify --tp``'s metadata, tokenizer, tensor, type and TP checks (not
-its finite-values check, which reads every weight), refuses what would fail only once vLLM has started (pipeline or
+(taken out). Before handing over it runs ``glm5serve verify --tp``'s metadata, tokenizer, tensor, type and TP checks
+(not its finite-values check, which reads every weight), refuses what would fail only once vLLM has started (pipeline or
 expert parallelism, a ``--max-model-len`` above the GGUF's context length), reading the options as vLLM does, a
 ``--config`` file's included, and prints the tensor-parallel size, the max model length, the attention backend
 vLLM will pick, the quant types and an estimate of the weight memory per GPU.
