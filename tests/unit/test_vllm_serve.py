@@ -305,7 +305,14 @@ def test_options_in_a_config_file_are_read_as_vllm_reads_them(tiny_checkpoint, t
     for text, name, full in (("tensor-parallel: 2", "--tensor-parallel", "--tensor-parallel-size"),
                              ("enable_expert: true", "--enable_expert", "--enable-expert-parallel"),
                              ("max-model: 64", "--max-model", "--max-model-len"),
-                             ("port: 8001\ntok: x", "--tok", "--tokenizer")):
+                             ("port: 8001\ntok: x", "--tok", "--tokenizer"),
+                             # each other option and flag serve reads (_READ_OPTIONS, _READ_FLAGS): one left out of
+                             # the lists was refused later, naming no file (mutants dropping one were missed)
+                             ("pipeline-parallel: 1", "--pipeline-parallel", "--pipeline-parallel-size"),
+                             ("load: gguf", "--load", "--load-format"),
+                             ("chat-temp: x.jinja", "--chat-temp", "--chat-template"),
+                             ("attention-back: FLASHMLA", "--attention-back", "--attention-backend"),
+                             ("skip_tokenizer: true", "--skip_tokenizer", "--skip-tokenizer-init")):
         short = config("short.yaml", text)
         assert main(["serve", str(tiny_checkpoint), "--dry-run", "--config", short, "-tp", "2"]) == 2
         assert capsys.readouterr().err.strip() == (f"glm5serve serve: {short}: --config: {name}: write {full} in full "
