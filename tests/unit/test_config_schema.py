@@ -209,7 +209,8 @@ def test_gating_func_0_means_sigmoid_and_other_values_are_refused():
     assert config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 1})).scoring_func == "softmax"
     # 3 is llama.cpp's SOFTMAX_WEIGHT: named as such, not as a value no gating function has
     with pytest.raises(GGUFModelError, match=r"expert_gating_func=3 is llama.cpp's SOFTMAX_WEIGHT \(softmax over the "
-                                             r"selected experts' logits\), which vLLM's GLM-5 router does not run"):
+                                             r"selected experts' logits\), which vLLM's GLM-5 router does not run; "
+                                             r"glm5serve runs softmax \(1\) and sigmoid \(2, or 0\)$"):
         config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 3}))
     with pytest.raises(GGUFModelError, match=r"expert_gating_func=5 is neither softmax \(1\) nor sigmoid \(2, or 0\)"):
         config_from_metadata(_md(**{"glm-dsa.expert_gating_func": 5}))
