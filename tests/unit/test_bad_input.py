@@ -883,10 +883,11 @@ def test_a_renamed_shard_is_not_read_as_a_whole_model(tiny_split_checkpoint, tmp
     # (NAME-00001-of--0002.gguf)"
     from gguf import GGUFValueType
 
-    negative = gguf_rewrite(tiny_split_checkpoint, tmp_path / "negative.gguf",
-                            set_keys={"split.count": (-2, GGUFValueType.INT16)})
-    line = _one_line(["inspect", str(negative)], capsys, negative.name, "split.count=-2 is negative")
-    assert "shard" not in line.replace(str(negative), "")  # the test's temp folder is named after it
+    for count in (-2, -1):  # -1 too: the largest negative count (a mutant refusing only < -1 was missed)
+        negative = gguf_rewrite(tiny_split_checkpoint, tmp_path / f"negative{-count}.gguf",
+                                set_keys={"split.count": (count, GGUFValueType.INT16)})
+        line = _one_line(["inspect", str(negative)], capsys, negative.name, f"split.count={count} is negative")
+        assert "shard" not in line.replace(str(negative), "")  # the test's temp folder is named after it
 
 
 @pytest.mark.parametrize("bad_merge,words", [("zz qq", "tokenizer.ggml.merges: "),
