@@ -998,3 +998,29 @@ def test_a_metadata_array_longer_than_the_file_is_refused_not_read_for_ever(tiny
         assert proc.returncode == rc and len(lines) == 1 and "Traceback" not in proc.stderr, proc
         assert f"{path}: not a readable GGUF file: header truncated or corrupt: the file is " in lines[0]
         assert f"(a metadata array declares {2**60} INT32 values, more than the " in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("itype,fmt", [(5, "i"), (10, "Q")])  # INT32, UINT64
+def test_a_metadata_array_that_ends_on_the_end_of_the_file_is_read_and_one_value_more_is_refused(itype, fmt,
+                                                                                                  tmp_path):
+    """The size guard of ``gguf_file._Reader._get_field_parts`` at its edge: an array whose values end exactly on the
+    file's last byte is read (here the last thing in a file of no tensors); one value more is refused, naming the
+    bytes left after the array's 12-byte element type and count (mutants ``>=`` for ``>``, ``- 4`` for ``- 12`` and
+    a count not scaled by the element size were missed: the 2**60 count above is refused by any of them)."""
+    from glm5serve.errors import GGUFModelError
+    from glm5serve.gguf_file import _open_reader
+
+    def write(name: str, count: int) -> Path:
+        key = b"general.some_array"
+        header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+        (tmp_path / name).write_bytes(header + struct.pack("<IIQ", 9, itype, count)
+                                      + struct.pack(f"<5{fmt}", *range(5)))
+        return tmp_path / name
+
+    assert list(_open_reader(write("fits.gguf", 5)).fields["general.some_array"].contents()) == [0, 1, 2, 3, 4]
+    with pytest.raises(GGUFModelError) as err:
+        _open_reader(write("over.gguf", 6))
+    name = {5: "INT32", 10: "UINT64"}[itype]
+    size = struct.calcsize(f"<5{fmt}")
+    assert str(err.value).endswith(f"(a metadata array declares 6 {name} values, more than the {size} bytes left in "
+                                   "the file hold)"), err.value
