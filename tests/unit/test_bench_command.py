@@ -316,6 +316,10 @@ def test_projection_refuses_a_model_it_would_not_measure(tmp_path, capsys, tiny_
                                     "would not be measured: leave it out to project the records, or leave out "
                                     "--projection to measure it") and not captured.out
     assert not out.exists()
+    # without --json too: the projection was printed as MODEL's (a mutant refusing only with --json was missed)
+    assert main(["bench", str(tiny_checkpoint), "--projection", str(f)]) == 2
+    captured = capsys.readouterr()
+    assert "--projection runs nothing, so this MODEL would not be measured" in captured.err and not captured.out
     assert main(["bench", "--projection", str(f), "--json", str(out)]) == 0  # without MODEL: projected as before
     assert out.exists()
 
@@ -342,7 +346,9 @@ def test_bench_refuses_a_json_it_could_not_write_before_any_engine_starts(tiny_s
                         (shard2, "--json names the model being measured"),
                         (tmp_path / "link.gguf", "--json names the model being measured"),
                         (tmp_path, "--json names a folder"),
-                        (tmp_path / "file" / "r.json", f"--json: {tmp_path / 'file'} is not a folder")):
+                        (tmp_path / "file" / "r.json", f"--json: {tmp_path / 'file'} is not a folder"),
+                        # a file further up, not the parent (a mutant looking at the parent alone was missed)
+                        (tmp_path / "file" / "sub" / "r.json", f"--json: {tmp_path / 'file'} is not a folder")):
         assert main(["bench", str(model), "--json", str(target)]) == 2
         captured = capsys.readouterr()
         assert captured.err.strip().startswith(f"glm5serve bench: {target}: {why}"), captured.err
