@@ -975,6 +975,23 @@ def test_a_control_character_in_a_file_or_tensor_name_stays_on_the_one_line(tiny
     _verify_fail(path, capsys, "blk.0.odd\\nname: unknown tensor")
 
 
+def test_one_line_escapes_every_character_a_line_breaks_at_and_keeps_the_rest():
+    """``errors.one_line`` escapes each character ``str.splitlines`` breaks a line at (``\\x0b``, ``\\x1c``..
+    ``\\x1e``, ``\\x85``, ``\\u2028``, ``\\u2029`` as well as ``\\n`` and ``\\r``) and the other C0 controls and
+    DEL, and keeps other characters, non-ASCII included (mutants dropping ``\\x85\\u2028\\u2029`` or ``\\x10``-``\\x1f``
+    from its pattern were missed: the tests named a newline only)."""
+    from glm5serve.errors import GGUFModelError, one_line
+
+    breaks = "".join(c for c in map(chr, range(0x3000)) if len(f"a{c}b".splitlines()) > 1)
+    controls = "".join(map(chr, range(0x20))) + "\x7f"
+    for c in set(breaks + controls):
+        shown = one_line(f"a{c}b")
+        assert shown == f"a{repr(c)[1:-1]}b" and shown != f"a{c}b" and len(shown.splitlines()) == 1, \
+            (hex(ord(c)), shown)
+    assert one_line("é ü\u00a0€ x/y") == "é ü\u00a0€ x/y"
+    assert str(GGUFModelError("bad", file="f\u2028g", tensor="t\x85u")) == "f\\u2028g: t\\x85u: bad"
+
+
 def test_a_metadata_array_longer_than_the_file_is_refused_not_read_for_ever(tiny_checkpoint, tmp_path):
     """Fresh-user finding: an array of numbers whose count is garbled (here tokenizer.ggml.token_type's, to 2**60)
     made gguf-py read it element by element to the end of the file, its memory growing -- 20 s for this 8 MB file,
