@@ -304,6 +304,17 @@ def test_projection_command_prints_and_writes_a_labelled_projection(tmp_path, ca
     assert json.loads(out.read_text())["label"] == "projection (not a measurement)"
 
 
+def test_an_os_error_naming_a_path_with_a_newline_stays_on_the_one_line(tmp_path, capsys):
+    """The CLI's OSError line escapes a control character in the file name, as GGUFModelError's does (a mutant
+    printing ``e.filename`` raw was missed): here the projection's --json lies below a file named with a newline."""
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_record(4, 1)))
+    (tmp_path / "new\nline").write_text("")
+    assert main(["bench", "--projection", str(f), "--json", str(tmp_path / "new\nline" / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"glm5serve bench: {tmp_path}/new\\nline: ") and err.count("\n") == 1, err
+
+
 def test_projection_refuses_a_model_it_would_not_measure(tmp_path, capsys, tiny_checkpoint):
     """Fresh-user finding: ``bench MODEL --projection R.json ... --json OUT`` printed (and wrote to OUT) the
     projection of the records alone, exit 0, as if MODEL had been measured and counted in it."""
