@@ -203,4 +203,24 @@ FAULTS: tuple[Fault, ...] = (
           "values, refused by the reference): it reads bytes", "src/glm5serve/verify.py",
           (("bool(values.any())", "bool(rows.any())"),),
           (U + "test_verify.py::test_blocks_whose_values_are_zero_fail_though_their_bytes_are_not",)),
+    Fault("gguf-array-guard-header-bytes", "gguf", "the metadata-array size guard counts 4 bytes, not 12, before the "
+          "array's values: an array 8 bytes past the end of the file is read", "src/glm5serve/gguf_file.py",
+          (("left = max(len(self.data) - orig_offs - 12, 0)", "left = max(len(self.data) - orig_offs - 4, 0)"),),
+          (U + "test_bad_input.py::test_a_metadata_array_that_ends_on_the_end_of_the_file_is_read_and_one_value_more_"
+               "is_refused",)),
+    Fault("serve-config-abbrev-list", "CLI", "serve's --config check leaves --pipeline-parallel-size out: its "
+          "abbreviation in a config file is refused later, naming no file", "src/glm5serve/vllm_plugin/serve.py",
+          (('_READ_OPTIONS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--max-model-len",',
+            '_READ_OPTIONS = ("--tensor-parallel-size", "--max-model-len",'),),
+          (U + "test_vllm_serve.py::test_options_in_a_config_file_are_read_as_vllm_reads_them",)),
+    Fault("one-line-unicode-breaks", "bad input", "errors.one_line leaves \\x85, \\u2028 and \\u2029 raw: a name "
+          "holding one splits the one error line", "src/glm5serve/errors.py",
+          ((r'_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")',
+            r'_CONTROL = re.compile(r"[\x00-\x1f\x7f]")'),),
+          (U + "test_bad_input.py::test_one_line_escapes_every_character_a_line_breaks_at_and_keeps_the_rest",)),
+    Fault("bench-projection-model-with-json-only", "CLI", "bench MODEL --projection is refused only with --json: "
+          "without it the projection prints as if MODEL were measured", "src/glm5serve/bench.py",
+          (("if args.model is not None:  # it was ignored",
+            "if args.model is not None and args.json:  # it was ignored"),),
+          (U + "test_bench_command.py::test_projection_refuses_a_model_it_would_not_measure",)),
 )
